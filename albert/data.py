@@ -1,0 +1,179 @@
+"""ALBERT pretraining data: documents -> sentences -> sentence-order (SOP) segment pairs -> fixed-length
+token tensors (cached), plus masked-LM corruption that is deterministic per (seed, sample, pass)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Sequence
+
+import torch
+from nltk.tokenize.punkt import PunktSentenceTokenizer, PunktTrainer
+
+from common.seeding import stable_seed
+from common.task import SAMPLE_IDS, Batch
+
+logger = logging.getLogger(__name__)
+
+PUNKT_TRAINING_CHARS = 400_000  # enough text for Punkt to learn abbreviations, a few seconds to train
+
+
+def train_sentence_splitter(documents: Sequence[str]) -> PunktSentenceTokenizer:
+    """NLTK's unsupervised Punkt model trained on the corpus itself (no model download needed)."""
+    trainer = PunktTrainer()
+    sample, size = [], 0
+    for document in documents:
+        sample.append(document)
+        size += len(document)
+        if size > PUNKT_TRAINING_CHARS:
+            break
+    trainer.train("\n\n".join(sample), finalize=True)
+    return PunktSentenceTokenizer(trainer.get_params())
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    cls: int
+    sep: int
+    pad: int
+    mask: int
+    vocab_size: int
+
+
+def create_sop_instances(document: List[List[int]], max_seq_length: int, short_seq_probability: float,
+                         rng: random.Random, ids: SpecialIds) -> List[Dict[str, List[int]]]:
+    """ALBERT's recipe: pack sentences into a chunk, split it into A and B at a sentence boundary, and swap
+    A/B with probability 0.5; the label says whether the order was swapped (sentence-order prediction)."""
+    max_tokens = max_seq_length - 3
+    target_length = rng.randint(2, max_tokens) if rng.random() < short_seq_probability else max_tokens
+    instances, chunk, chunk_length = [], [], 0
+    for index, sentence in enumerate(document):
+        chunk.append(sentence)
+        chunk_length += len(sentence)
+        if index == len(document) - 1 or chunk_length >= target_length:
+            if len(chunk) >= 2:
+                split = rng.randint(1, len(chunk) - 1)
+                tokens_a = [token for sentence_ in chunk[:split] for token in sentence_]
+                tokens_b = [token for sentence_ in chunk[split:] for token in sentence_]
+                while len(tokens_a) + len(tokens_b) > max_tokens:  # trim the longer side, alternating ends
+                    longer = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+                    if rng.random() < 0.5:
+                        del longer[0]
+                    else:
+                        longer.pop()
+                swapped = rng.random() < 0.5
+                if swapped:
+                    tokens_a, tokens_b = tokens_b, tokens_a
+                if tokens_a and tokens_b:
+                    instances.append(_pack(tokens_a, tokens_b, int(swapped), max_seq_length, ids))
+            chunk, chunk_length = [], 0
+            target_length = rng.randint(2, max_tokens) if rng.random() < short_seq_probability else max_tokens
+    return instances
+
+
+def _pack(tokens_a: List[int], tokens_b: List[int], label: int, max_seq_length: int, ids: SpecialIds) -> dict:
+    input_ids = [ids.cls, *tokens_a, ids.sep, *tokens_b, ids.sep]
+    token_type_ids = [0] * (len(tokens_a) + 2) + [1] * (len(tokens_b) + 1)
+    padding = max_seq_length - len(input_ids)
+    return {
+        "input_ids": input_ids + [ids.pad] * padding,
+        "token_type_ids": token_type_ids + [0] * padding,
+        "attention_mask": [1] * len(input_ids) + [0] * padding,
+        "sentence_order_label": label,
+    }
+
+
+def build_examples(documents: Sequence[str], tokenizer, max_seq_length: int, short_seq_probability: float,
+                   seed: int) -> Dict[str, torch.Tensor]:
+    splitter = train_sentence_splitter(documents)
+    ids = special_ids(tokenizer)
+    rng = random.Random(seed)
+    examples: List[dict] = []
+    for document in documents:
+        sentences = [sentence for sentence in splitter.tokenize(document) if sentence.strip()]
+        if len(sentences) < 2:
+            continue
+        encoded = tokenizer(sentences, add_special_tokens=False)["input_ids"]
+        examples.extend(create_sop_instances([s for s in encoded if s], max_seq_length, short_seq_probability, rng, ids))
+    if not examples:
+        raise ValueError("the corpus produced no sentence pairs")
+    return {name: torch.tensor([example[name] for example in examples], dtype=torch.long) for name in examples[0]}
+
+
+def special_ids(tokenizer) -> SpecialIds:
+    return SpecialIds(cls=tokenizer.cls_token_id, sep=tokenizer.sep_token_id, pad=tokenizer.pad_token_id,
+                      mask=tokenizer.mask_token_id, vocab_size=len(tokenizer))
+
+
+def cache_key(*parts: object) -> str:
+    return hashlib.blake2b(json.dumps([str(part) for part in parts]).encode(), digest_size=8).hexdigest()
+
+
+def load_or_build_examples(path: Path, build) -> Dict[str, torch.Tensor]:
+    if path.exists():
+        return torch.load(path)
+    examples = build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    torch.save(examples, temporary)
+    temporary.replace(path)  # atomic: concurrent peers never read a half-written cache
+    return examples
+
+
+def mask_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, ids: SpecialIds, probability: float,
+                generator: torch.Generator):
+    """BERT masking: choose ``probability`` of the real tokens; 80 % -> [MASK], 10 % random, 10 % kept."""
+    labels = input_ids.clone()
+    special = (input_ids == ids.cls) | (input_ids == ids.sep) | (attention_mask == 0)
+    chosen = (torch.rand(input_ids.shape, generator=generator) < probability) & ~special
+    labels[~chosen] = -100
+    corrupted = input_ids.clone()
+    roll = torch.rand(input_ids.shape, generator=generator)
+    random_tokens = torch.randint(ids.vocab_size, input_ids.shape, generator=generator)
+    corrupted[chosen & (roll < 0.8)] = ids.mask
+    replace = chosen & (roll >= 0.8) & (roll < 0.9)
+    corrupted[replace] = random_tokens[replace]
+    return corrupted, labels
+
+
+class SopDataset:
+    """Fixed-length SOP examples with deterministic dynamic masking."""
+
+    def __init__(self, examples: Dict[str, torch.Tensor], ids: SpecialIds, mlm_probability: float, seed: int):
+        self.examples, self.ids, self.mlm_probability, self.seed = examples, ids, mlm_probability, seed
+
+    def __len__(self) -> int:
+        return len(self.examples["input_ids"])
+
+    def batch(self, sample_ids: Sequence[int], pass_index: int) -> Batch:
+        """The micro-batch for these samples; masking depends only on (seed, sample id, pass)."""
+        index = torch.as_tensor(list(sample_ids), dtype=torch.long)
+        input_ids = self.examples["input_ids"][index]
+        attention_mask = self.examples["attention_mask"][index]
+        corrupted, labels = [], []
+        for row, sample_id in enumerate(index.tolist()):
+            generator = torch.Generator().manual_seed(stable_seed(self.seed, "mask", sample_id, pass_index))
+            masked, label = mask_tokens(input_ids[row:row + 1], attention_mask[row:row + 1], self.ids,
+                                        self.mlm_probability, generator)
+            corrupted.append(masked)
+            labels.append(label)
+        return {
+            "input_ids": torch.cat(corrupted), "labels": torch.cat(labels),
+            "attention_mask": attention_mask, "token_type_ids": self.examples["token_type_ids"][index],
+            "sentence_order_label": self.examples["sentence_order_label"][index],
+            SAMPLE_IDS: index, "pass_index": torch.tensor(pass_index),
+        }
+
+    def stream(self, stream_seed: int, batch_size: int, sample_ids: Sequence[int] | None = None) -> Iterator[Batch]:
+        """Endless micro-batches over ``sample_ids`` (default: all), reshuffled each pass by ``stream_seed``."""
+        pool = torch.as_tensor(list(sample_ids) if sample_ids is not None else range(len(self)), dtype=torch.long)
+        pass_index = 0
+        while True:
+            generator = torch.Generator().manual_seed(stable_seed(stream_seed, "order", pass_index))
+            order = pool[torch.randperm(len(pool), generator=generator)]
+            for start in range(0, len(order) - batch_size + 1, batch_size):  # equal micro-batches only
+                yield self.batch(order[start:start + batch_size].tolist(), pass_index)
+            pass_index += 1

@@ -1,0 +1,164 @@
+"""ALBERT pretraining (MLM + sentence-order prediction) as a task for the one training loop."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, List, Optional
+
+import torch
+from timm.optim import Lamb
+from transformers import AlbertConfig, AlbertForPreTraining, get_linear_schedule_with_warmup
+
+from albert.corpus import OFFLINE_WIKIPEDIA, load_documents
+from albert.data import SopDataset, build_examples, cache_key, load_or_build_examples, special_ids
+from albert.tokenizer import load_or_train_tokenizer
+from common.config import RunConfig
+from common.errors import DataError
+from common.task import Batch, StepOutput, Task
+
+logger = logging.getLogger(__name__)
+
+DATA_FORMAT_VERSION = 1  # bump when the example-building code changes, so caches are rebuilt
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class TaskConfig:
+    # data
+    corpus: str = OFFLINE_WIKIPEDIA  # offline_wikipedia | a hub name (wikitext) | a local file or folder
+    dataset_config: Optional[str] = None  # e.g. wikitext-103-raw-v1
+    tokenizer: str = "train"  # train (Unigram on the corpus) | hub name (albert-large-v2) | local folder
+    max_documents: Optional[int] = None
+    max_seq_length: int = 128
+    short_seq_probability: float = 0.1
+    mlm_probability: float = 0.15
+    data_seed: int = 0
+    cache_dir: str = ".cache/albert"
+    # model (albert-large-v2 shape at paper scale)
+    vocab_size: int = 8000
+    embedding_size: int = 128
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    intermediate_size: int = 1024
+    # optimizer: LAMB (DESIGN.md section 2)
+    learning_rate: float = 0.00176
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 5000
+    total_steps: int = 125_000
+
+    def __post_init__(self) -> None:
+        _require(16 <= self.max_seq_length <= 4096, "task.max_seq_length must be in [16, 4096]")
+        _require(0 < self.mlm_probability < 1, "task.mlm_probability must be in (0, 1)")
+        _require(0 <= self.short_seq_probability <= 1, "task.short_seq_probability must be in [0, 1]")
+        _require(self.vocab_size >= 100, "task.vocab_size must be >= 100")
+        _require(self.hidden_size % self.num_attention_heads == 0,
+                 "task.hidden_size must be divisible by task.num_attention_heads")
+        _require(self.learning_rate > 0, "task.learning_rate must be > 0")
+        _require(len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas), "task.betas must be two values in [0, 1)")
+        _require(self.warmup_steps >= 0 and self.total_steps > self.warmup_steps,
+                 "task.total_steps must exceed task.warmup_steps >= 0")
+        _require(self.max_documents is None or self.max_documents > 0, "task.max_documents must be > 0")
+
+
+def build_model(config: TaskConfig, vocab_size: int) -> AlbertForPreTraining:
+    model_config = AlbertConfig(
+        vocab_size=vocab_size, embedding_size=config.embedding_size, hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        intermediate_size=config.intermediate_size, max_position_embeddings=max(512, config.max_seq_length),
+        hidden_act="gelu_new", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return AlbertForPreTraining(model_config)
+
+
+def no_decay(name: str) -> bool:
+    return name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name
+
+
+class AlbertTask(Task):
+    def __init__(self, config: TaskConfig, local_batch_size: int, dataset: Optional[SopDataset], vocab_size: int):
+        self.config, self.local_batch_size, self.dataset = config, local_batch_size, dataset
+        self.model = build_model(config, vocab_size)
+
+    def optimizer_param_groups(self) -> list:
+        named = [(name, param) for name, param in self.model.named_parameters() if param.requires_grad]
+        return [
+            {"params": [param for name, param in named if not no_decay(name)], "weight_decay": self.config.weight_decay},
+            {"params": [param for name, param in named if no_decay(name)], "weight_decay": 0.0},
+        ]
+
+    def make_optimizer(self, params: Iterable) -> torch.optim.Optimizer:
+        # timm's LAMB with always_adapt=True applies the trust ratio to every tensor like torch_optimizer.Lamb;
+        # max_grad_norm clips the *averaged* gradient of the global batch (it runs inside the optimizer step).
+        # Difference from the paper's torch_optimizer.Lamb: no clamp of the weight norm at 1e4 (README).
+        return Lamb(params, lr=self.config.learning_rate, betas=tuple(self.config.betas), eps=self.config.eps,
+                    weight_decay=self.config.weight_decay, max_grad_norm=self.config.max_grad_norm,
+                    bias_correction=True, always_adapt=True)
+
+    def make_scheduler(self, optimizer: torch.optim.Optimizer):
+        return get_linear_schedule_with_warmup(optimizer, self.config.warmup_steps, self.config.total_steps)
+
+    def batches(self, stream_seed: int) -> Iterator[Batch]:
+        if self.dataset is None:
+            raise DataError("this ALBERT task was built without data (monitor/auxiliary role)")
+        return self.dataset.stream(stream_seed, self.local_batch_size)
+
+    def forward(self, model: torch.nn.Module, batch: Batch) -> StepOutput:
+        outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        token_type_ids=batch["token_type_ids"])
+        mlm_logits, sop_logits = outputs.prediction_logits, outputs.sop_logits
+        labels = batch["labels"]
+        mlm_loss = torch.nn.functional.cross_entropy(mlm_logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        sop_loss = torch.nn.functional.cross_entropy(sop_logits.float(), batch["sentence_order_label"])
+        with torch.no_grad():
+            masked = labels != -100
+            mlm_accuracy = (mlm_logits.argmax(-1)[masked] == labels[masked]).float().mean()
+            sop_accuracy = (sop_logits.argmax(-1) == batch["sentence_order_label"]).float().mean()
+        return StepOutput(
+            loss=mlm_loss + sop_loss, batch_size=int(labels.shape[0]),
+            metrics={"mlm_loss": mlm_loss.item(), "sop_loss": sop_loss.item(),
+                     "mlm_accuracy": mlm_accuracy.item(), "sop_accuracy": sop_accuracy.item()},
+        )
+
+
+def build_dataset(config: TaskConfig):
+    """Tokenizer + cached SOP examples for the configured corpus."""
+    documents: Optional[list] = None
+
+    def get_documents() -> list:
+        nonlocal documents
+        if documents is None:
+            documents = load_documents(config.corpus, config.dataset_config, config.max_documents)
+        return documents
+
+    cache_root = Path(config.cache_dir)
+    tokenizer_key = cache_key(config.corpus, config.dataset_config, config.max_documents, config.vocab_size)
+    tokenizer = load_or_train_tokenizer(config.tokenizer, get_documents, config.vocab_size,
+                                        cache_root / f"tokenizer-{tokenizer_key}")
+    examples_key = cache_key(DATA_FORMAT_VERSION, tokenizer_key, config.tokenizer, config.max_seq_length,
+                             config.short_seq_probability, config.data_seed)
+    examples = load_or_build_examples(
+        cache_root / f"examples-{examples_key}.pt",
+        lambda: build_examples(get_documents(), tokenizer, config.max_seq_length, config.short_seq_probability,
+                               config.data_seed),
+    )
+    logger.info(f"ALBERT data: {len(examples['input_ids'])} SOP examples of {config.max_seq_length} tokens")
+    return tokenizer, SopDataset(examples, special_ids(tokenizer), config.mlm_probability, config.data_seed)
+
+
+def build_task(run_config: RunConfig, with_data: bool = True) -> AlbertTask:
+    config: TaskConfig = run_config.task
+    if not with_data:
+        return AlbertTask(config, run_config.training.local_batch_size, None, config.vocab_size)
+    tokenizer, dataset = build_dataset(config)
+    if len(tokenizer) > config.vocab_size:  # every peer must build the same model, so the size comes from config
+        raise DataError(f"tokenizer has {len(tokenizer)} tokens but task.vocab_size is {config.vocab_size}")
+    return AlbertTask(config, run_config.training.local_batch_size, dataset, config.vocab_size)

@@ -1,0 +1,53 @@
+"""Tokenizers: a Unigram (SentencePiece-style) model trained offline with ``tokenizers``, or a hub tokenizer."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from common.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def train_unigram_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """ALBERT-style tokenizer: NFKC + lowercase, Metaspace pieces, ``[CLS] A [SEP] B [SEP]`` pairs."""
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.NFKC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, unk_token="<unk>",
+                                      show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+
+
+def load_or_train_tokenizer(name: str, texts_factory, vocab_size: int, cache_dir: Path) -> PreTrainedTokenizerFast:
+    """``name == "train"``: train on the corpus (cached in ``cache_dir``); otherwise a hub name or local path."""
+    if name != "train":
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(name)
+        except Exception as error:
+            detail = " ".join(str(error).split())[:200]
+            raise DataError(f"cannot load tokenizer {name!r}: {detail} -- the hub is unreachable here; pass a local "
+                            f"tokenizer folder or task.tokenizer=train") from None
+    if (cache_dir / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(str(cache_dir))
+    logger.info(f"training a Unigram tokenizer (vocab {vocab_size}) on the corpus")
+    tokenizer = train_unigram_tokenizer(texts_factory(), vocab_size)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(cache_dir))
+    return tokenizer

@@ -1,0 +1,160 @@
+"""Backends of the one training loop: how accumulated gradients become a global optimizer step.
+
+* ``SingleProcessBackend``: one process accumulates ``target_batch_size`` samples, then steps.
+* ``CollaborativeBackend``: hivemind peers; the swarm together accumulates the target batch.
+* ``DDPBackend`` (``common/ddp.py``): the HPC baseline.
+
+All of them weigh micro-batch gradients by micro-batch size, so with equal micro-batches the step is the
+mean gradient over every sample of the global batch, and step the scheduler once per global step.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from typing import List, Optional
+
+import hivemind
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+
+from common.config import CollaborationConfig
+from common.metrics import RECENT_STEPS_KEPT, PeerMetrics, StepRecord, metrics_key
+from common.task import Task
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingBackend(abc.ABC):
+    @property
+    @abc.abstractmethod
+    def global_step(self) -> int:
+        """Number of global optimizer steps the run has completed (as this peer knows it)."""
+
+    @abc.abstractmethod
+    def step(self, batch_size: int) -> Optional[int]:
+        """Account for one backpropagated micro-batch; return the finished global step's index, if any."""
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None: ...
+
+    def publish(self, records: List[StepRecord]) -> None:
+        """Share this peer's recent step records (collaborative backends only)."""
+
+    def shutdown(self) -> None: ...
+
+
+class SingleProcessBackend(TrainingBackend):
+    """Plain PyTorch: accumulate sample-weighted gradients until ``target_batch_size``, then step."""
+
+    def __init__(self, task: Task, target_batch_size: int):
+        self.task, self.target_batch_size = task, target_batch_size
+        self.params = [param for param in task.model.parameters() if param.requires_grad]
+        self.optimizer = task.make_optimizer(task.optimizer_param_groups())
+        self.scheduler = task.make_scheduler(self.optimizer)
+        self.accumulators = [torch.zeros_like(param) for param in self.params]
+        self.samples_accumulated = 0
+        self._global_step = 0
+
+    @property
+    def global_step(self) -> int:
+        return self._global_step
+
+    def step(self, batch_size: int) -> Optional[int]:
+        with torch.no_grad():
+            for param, accumulator in zip(self.params, self.accumulators):
+                if param.grad is not None:
+                    accumulator.add_(param.grad, alpha=float(batch_size))
+        self.samples_accumulated += batch_size
+        if self.samples_accumulated < self.target_batch_size:
+            return None
+        with torch.no_grad():
+            for param, accumulator in zip(self.params, self.accumulators):
+                param.grad = accumulator / self.samples_accumulated
+                accumulator.zero_()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.samples_accumulated = 0
+        finished = self._global_step
+        self._global_step += 1
+        return finished
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+
+class CollaborativeBackend(TrainingBackend):
+    """A hivemind peer: ``hivemind.Optimizer`` decides when the swarm has the target batch."""
+
+    def __init__(self, dht: hivemind.DHT, optimizer: hivemind.Optimizer, collab: CollaborationConfig,
+                 peer_name: str, role: str, metrics_expiration: float):
+        self.dht, self.optimizer, self.collab = dht, optimizer, collab
+        self.peer_name, self.role, self.metrics_expiration = peer_name, role, metrics_expiration
+        self.public_key = RSASignatureValidator().local_public_key  # the process-wide key signs our records
+
+    @property
+    def global_step(self) -> int:
+        return self.optimizer.local_epoch
+
+    def step(self, batch_size: int) -> Optional[int]:
+        epoch_before = self.optimizer.local_epoch
+        self.optimizer.step(batch_size=batch_size)
+        return epoch_before if self.optimizer.local_epoch != epoch_before else None
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def publish(self, records: List[StepRecord]) -> None:
+        value = PeerMetrics(peer_name=self.peer_name, role=self.role, recent=records[-RECENT_STEPS_KEPT:])
+        self.dht.store(
+            key=metrics_key(self.collab.run_id), subkey=self.public_key, value=value.dict(),
+            expiration_time=get_dht_time() + self.metrics_expiration, return_future=True,
+        )
+
+    def wait_for_swarm(self, stop_requested) -> None:
+        """Start barrier: wait until ``expected_peers`` trainers report, so nobody races ahead alone."""
+        expected, deadline = self.collab.expected_peers, time.monotonic() + self.collab.start_barrier_timeout
+        last_log = 0.0
+        while not stop_requested():
+            self.publish([])
+            trainers = count_trainers(self.dht, self.collab.run_id)
+            tracked = self.optimizer.tracker.global_progress.num_peers
+            if trainers >= expected and tracked >= expected:
+                logger.info(f"start barrier passed: {trainers} trainers visible")
+                return
+            if time.monotonic() > deadline:
+                logger.warning(f"start barrier timed out with {trainers}/{expected} trainers visible; training anyway")
+                return
+            if time.monotonic() - last_log > 5:
+                logger.info(f"waiting for peers: {trainers}/{expected} trainers visible")
+                last_log = time.monotonic()
+            time.sleep(0.5)
+
+    def catch_up(self) -> None:
+        """A peer joining a run that has made progress (or resumes from a checkpoint) loads the swarm's state."""
+        time.sleep(1.0)  # let the tracker fetch the swarm's progress once
+        if self.optimizer.tracker.global_epoch > self.optimizer.local_epoch:
+            logger.info(f"swarm is at step {self.optimizer.tracker.global_epoch}: loading state from peers")
+            self.optimizer.load_state_from_peers()
+            logger.info(f"loaded state: now at step {self.optimizer.local_epoch}")
+
+    def shutdown(self) -> None:
+        self.optimizer.shutdown()
+        self.dht.shutdown()
+
+
+def count_trainers(dht: hivemind.DHT, run_id: str) -> int:
+    entry = dht.get(metrics_key(run_id), latest=True)
+    if entry is None or not isinstance(entry.value, dict):
+        return 0
+    count = 0
+    for record in entry.value.values():
+        try:
+            if PeerMetrics.parse_obj(record.value).role == "trainer":
+                count += 1
+        except Exception:  # a malformed record is simply not counted
+            continue
+    return count

@@ -1,0 +1,215 @@
+"""Typed run configuration: omegaconf structured dataclasses, loaded from YAML + ``key=value`` overrides.
+
+A run config has four experiment-independent sections (network, collaboration, training, monitor) and a
+``task`` section whose schema belongs to the experiment package named by ``task_module`` (``albert``,
+``swav``, ...): that package's ``task`` module exposes ``TaskConfig``. Validation happens once, on load:
+unknown keys, wrong types and out-of-range values become a one-line :class:`ConfigError`.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from common.errors import ConfigError
+
+
+class Semantics(str, enum.Enum):
+    """How hivemind.Optimizer applies the averaged update (DESIGN.md section 1)."""
+
+    sync = "sync"  # the paper: equivalent to synchronous large-batch training
+    dpu = "dpu"  # delayed parameter updates: average and step in the background, one step stale
+    local = "local"  # local optimizer steps, parameters averaged every target batch (DiLoCo-like)
+
+
+class Compression(str, enum.Enum):
+    none = "none"
+    fp16 = "fp16"
+    scaled_fp16 = "scaled_fp16"
+    uniform8bit = "uniform8bit"
+    blockwise8bit = "blockwise8bit"
+
+
+class Backend(str, enum.Enum):
+    collaborative = "collaborative"  # hivemind peers
+    single = "single"  # one process, gradient accumulation to the target batch
+    ddp = "ddp"  # HPC baseline: torch DDP through accelerate
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class NetworkConfig:
+    initial_peers: List[str] = field(default_factory=list)
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: List[str] = field(default_factory=list)
+    client_mode: bool = False  # behind NAT/firewall: only outbound connections
+    identity_path: Optional[str] = None  # RSA key file: a stable peer id across restarts
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    bootstrap_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(self.bootstrap_timeout > 0, "network.bootstrap_timeout must be > 0")
+        _require(len(self.host_maddrs) > 0, "network.host_maddrs must list at least one multiaddr")
+
+
+@dataclass
+class CollaborationConfig:
+    run_id: str = "dedloc"
+    target_batch_size: int = 4096
+    semantics: Semantics = Semantics.sync
+    compression: Compression = Compression.fp16
+    bandwidth: Optional[float] = None  # declared Mbit/s for the load balancer; None = swarm average
+    matchmaking_time: float = 5.0
+    averaging_timeout: float = 60.0
+    average_state_every: int = 1
+    load_state_timeout: float = 60.0
+    expected_peers: int = 1  # start barrier: trainers wait until this many trainers report progress
+    start_barrier_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        _require(bool(self.run_id) and self.run_id.replace("_", "").replace("-", "").isalnum(),
+                 f"collaboration.run_id must be letters, digits, '-' or '_' (got {self.run_id!r})")
+        _require(self.target_batch_size > 0, "collaboration.target_batch_size must be > 0")
+        _require(self.bandwidth is None or self.bandwidth > 0, "collaboration.bandwidth must be > 0")
+        _require(self.matchmaking_time > 0, "collaboration.matchmaking_time must be > 0")
+        _require(self.averaging_timeout > self.matchmaking_time,
+                 "collaboration.averaging_timeout must exceed collaboration.matchmaking_time")
+        _require(self.average_state_every >= 1, "collaboration.average_state_every must be >= 1")
+        _require(self.expected_peers >= 1, "collaboration.expected_peers must be >= 1")
+
+
+@dataclass
+class TrainingConfig:
+    backend: Backend = Backend.collaborative
+    local_batch_size: int = 8  # samples per forward/backward on one peer
+    max_global_steps: int = 100
+    max_wall_seconds: Optional[float] = None
+    seed: int = 0
+    num_threads: int = 1  # torch intra-op threads per peer (peers share the machine's cores)
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "fp32"  # fp32 | fp16 | bf16 (autocast, only where a GPU is present)
+    log_every_seconds: float = 10.0
+    output_dir: str = "outputs/run"
+    record_sample_ids: bool = False  # log which samples went into each global step (equivalence checks)
+    skip_nonfinite: bool = True  # drop a micro-batch whose loss or gradients are not finite
+
+    def __post_init__(self) -> None:
+        _require(self.local_batch_size > 0, "training.local_batch_size must be > 0")
+        _require(self.max_global_steps > 0, "training.max_global_steps must be > 0")
+        _require(self.max_wall_seconds is None or self.max_wall_seconds > 0,
+                 "training.max_wall_seconds must be > 0")
+        _require(self.num_threads >= 1, "training.num_threads must be >= 1")
+        _require(self.device in ("auto", "cpu", "cuda"), f"training.device must be auto, cpu or cuda (got {self.device!r})")
+        _require(self.precision in ("fp32", "fp16", "bf16"),
+                 f"training.precision must be fp32, fp16 or bf16 (got {self.precision!r})")
+        _require(self.log_every_seconds > 0, "training.log_every_seconds must be > 0")
+
+
+@dataclass
+class MonitorConfig:
+    refresh_seconds: float = 1.0
+    checkpoint_every_steps: int = 0  # 0 disables checkpoints
+    checkpoint_dir: Optional[str] = None  # default: <training.output_dir>/checkpoints
+    keep_checkpoints: int = 3
+    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_project: str = "dedloc"
+    metrics_expiration: float = 600.0  # seconds a metrics record lives in the DHT
+
+    def __post_init__(self) -> None:
+        _require(self.refresh_seconds > 0, "monitor.refresh_seconds must be > 0")
+        _require(self.checkpoint_every_steps >= 0, "monitor.checkpoint_every_steps must be >= 0")
+        _require(self.keep_checkpoints >= 1, "monitor.keep_checkpoints must be >= 1")
+        _require(self.wandb_mode in ("offline", "online", "disabled"),
+                 f"monitor.wandb_mode must be offline, online or disabled (got {self.wandb_mode!r})")
+
+
+@dataclass
+class RunConfig:
+    task_module: str = MISSING  # experiment package whose task.py defines TaskConfig and build_task
+    task: Any = MISSING
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    collaboration: CollaborationConfig = field(default_factory=CollaborationConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+
+def import_task_module(name: str):
+    """The experiment package's ``task`` module (``albert`` -> ``albert.task``)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ConfigError(f"task_module must name an experiment package such as 'albert' or 'swav' (got {name!r})")
+    try:
+        module = importlib.import_module(f"{name}.task")
+    except ModuleNotFoundError as error:
+        if error.name in (name, f"{name}.task"):
+            raise ConfigError(f"task_module {name!r} is not an experiment package (no {name}/task.py)") from None
+        raise
+    for attribute in ("TaskConfig", "build_task"):
+        if not hasattr(module, attribute):
+            raise ConfigError(f"experiment package {name!r} has no {attribute} in {name}/task.py")
+    return module
+
+
+def _one_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    message = text[0] if text else type(error).__name__
+    full_key = getattr(error, "full_key", None)
+    if full_key and full_key not in message:
+        message = f"{full_key}: {message}"
+    return message
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load ``path`` (YAML), apply ``key=value`` overrides, validate, and return typed dataclasses."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as error:  # yaml errors come in many types
+        raise ConfigError(f"cannot parse config file {path}: {_one_line(error)}") from None
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(f"override {override!r} is not of the form key=value")
+    try:
+        merged_raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"bad override: {_one_line(error)}") from None
+    return config_from_container(merged_raw, source=str(path))
+
+
+def config_from_container(raw: Any, source: str = "config") -> RunConfig:
+    """Validate a plain dict / DictConfig against the schema (``task`` against its experiment's schema)."""
+    raw = OmegaConf.create(raw) if not OmegaConf.is_config(raw) else raw
+    task_module = raw.get("task_module")
+    if task_module is None:
+        raise ConfigError(f"{source}: missing required key task_module")
+    module = import_task_module(task_module)
+    schema = OmegaConf.structured(RunConfig)
+    schema.task = OmegaConf.structured(module.TaskConfig)
+    try:
+        merged = OmegaConf.merge(schema, raw)
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"{source}: {_one_line(error)}") from None
+    except ValueError as error:
+        raise ConfigError(f"{source}: {error}") from None
+    if not isinstance(config.task, module.TaskConfig):  # to_object leaves an Any field untyped on some paths
+        try:
+            config.task = module.TaskConfig(**OmegaConf.to_container(merged.task))
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"{source}: task: {error}") from None
+    return config
+
+
+def to_yaml(config: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

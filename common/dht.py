@@ -1,0 +1,81 @@
+"""Starting a hivemind DHT node from config, with clear errors and the join command for the next volunteer."""
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from typing import List, Sequence
+
+import hivemind
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from multiaddr import Multiaddr
+
+from common.config import NetworkConfig
+from common.errors import PeerError
+
+logger = logging.getLogger(__name__)
+
+
+def validate_multiaddrs(addresses: Sequence[str], what: str) -> List[str]:
+    """Parse each address as a multiaddr; initial peers must also name the peer (``/p2p/<id>``)."""
+    for address in addresses:
+        try:
+            parsed = Multiaddr(address)
+        except Exception as error:  # multiaddr raises several exception types
+            raise PeerError(f"malformed {what} address {address!r}: {error}") from None
+        if what == "initial peer" and "p2p" not in [protocol.name for protocol in parsed.protocols()]:
+            raise PeerError(f"initial peer address {address!r} lacks the /p2p/<peer id> part")
+    return list(addresses)
+
+
+def start_dht(network: NetworkConfig, record_validators: Sequence = ()) -> hivemind.DHT:
+    """Start this process's DHT node (must run in the main thread: hivemind requires it)."""
+    initial_peers = validate_multiaddrs(network.initial_peers, "initial peer")
+    validate_multiaddrs(network.host_maddrs, "host")
+    validate_multiaddrs(network.announce_maddrs, "announce")
+    if network.client_mode and not initial_peers:
+        raise PeerError(
+            "a client-mode peer accepts no inbound connections, so it cannot start a swarm: "
+            "give network.initial_peers of a peer that is not in client mode"
+        )
+    try:
+        dht = hivemind.DHT(
+            initial_peers=initial_peers,
+            host_maddrs=list(network.host_maddrs),
+            announce_maddrs=list(network.announce_maddrs) or None,
+            client_mode=network.client_mode,
+            identity_path=network.identity_path,
+            use_relay=network.use_relay,
+            use_auto_relay=network.use_auto_relay,
+            record_validators=list(record_validators),
+            bootstrap_timeout=network.bootstrap_timeout,
+            startup_timeout=network.bootstrap_timeout,
+            start=True,
+        )
+    except (P2PDaemonError, RuntimeError, TimeoutError, OSError) as error:
+        detail = " ".join(str(error).split())[:300]
+        raise PeerError(f"could not start the DHT node or reach initial peers {initial_peers}: {detail}") from None
+    if initial_peers and not _has_neighbours(dht):
+        dht.shutdown()
+        raise PeerError(
+            f"no initial peer answered as a DHT server within {network.bootstrap_timeout:.0f} s "
+            f"(unreachable, or every peer is in client mode): {initial_peers}"
+        )
+    return dht
+
+
+def _has_neighbours(dht: hivemind.DHT) -> bool:
+    async def count(_dht, node) -> int:
+        return sum(len(bucket.nodes_to_peer_id) for bucket in node.protocol.routing_table.buckets)
+
+    return dht.run_coroutine(count) > 0
+
+
+def visible_multiaddrs(dht: hivemind.DHT) -> List[str]:
+    return [str(address) for address in dht.get_visible_maddrs()]
+
+
+def join_command(dht: hivemind.DHT, role_script: str, config_path: str) -> str:
+    """The exact command a new volunteer pastes to join this swarm."""
+    peers = " ".join(shlex.quote(address) for address in visible_multiaddrs(dht))
+    return f"{shlex.quote(sys.executable)} {role_script} --config {config_path} --initial-peers {peers}"

@@ -1,0 +1,49 @@
+"""Process lifecycle: logging set-up, SIGINT/SIGTERM turned into a graceful stop, thread limits."""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; loops poll it and shut down cleanly. A second signal exits at once."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.signal_name: Optional[str] = None
+
+    def install(self) -> "StopFlag":
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        if self._event.is_set():
+            raise SystemExit(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+        logging.getLogger(__name__).info(f"received {self.signal_name}: finishing the current step and shutting down")
+        self._event.set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        return self._event.wait(seconds)
+
+
+def setup_logging(name: str, log_file: Optional[Path] = None, level: int = logging.INFO) -> None:
+    handlers: list = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=level, format=f"%(asctime)s [{name}] %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S", handlers=handlers, force=True)
+    for noisy in ("hivemind", "urllib3", "filelock", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,144 @@
+"""Per-peer training metrics in the DHT: signed, schema-validated records, aggregated per global step.
+
+Each trainer stores, under ``<run_id>_metrics`` with its own public key as subkey, its summaries of its
+last few global steps. Keeping a short window means the monitor never misses a step because of its
+polling period, and aggregating by the ``step`` field (not by arrival time) means stale steps never mix.
+Records are RSA-signed by hivemind's ``RSASignatureValidator`` (a peer can only write its own subkey) and
+checked against the pydantic schema below (malformed records are refused by every DHT node).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pydantic.v1 as pydantic
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+
+RECENT_STEPS_KEPT = 8
+
+
+class StepRecord(pydantic.BaseModel):
+    """What one trainer contributed to one global step."""
+
+    step: pydantic.conint(ge=0, strict=True)
+    samples: pydantic.conint(ge=0, strict=True)
+    loss: pydantic.StrictFloat
+    seconds: pydantic.confloat(ge=0.0, strict=True)  # wall time this peer spent in the step
+    time: pydantic.StrictFloat  # unix time when the step ended for this peer
+    metrics: Dict[pydantic.StrictStr, pydantic.StrictFloat] = {}
+
+
+class PeerMetrics(pydantic.BaseModel):
+    peer_name: pydantic.StrictStr
+    role: pydantic.StrictStr
+    recent: List[StepRecord]
+
+
+class MetricsSchema(pydantic.BaseModel):
+    metrics: Dict[BytesWithPublicKey, Optional[PeerMetrics]]
+
+
+def metrics_key(run_id: str) -> str:
+    return f"{run_id}_metrics"
+
+
+def make_validators(run_id: str, signature_validator: RSASignatureValidator) -> list:
+    return [SchemaValidator(MetricsSchema, prefix=run_id), signature_validator]
+
+
+@dataclass
+class StepAggregate:
+    """The swarm's view of one global step, built only from records that name that step."""
+
+    step: int
+    peers: int
+    samples: int
+    loss: float  # sample-weighted mean over peers
+    seconds: float  # longest peer wall time for the step
+    time: float
+    metrics: Dict[str, float]
+    contributions: Dict[str, int]  # peer name -> samples
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step, "peers": self.peers, "samples": self.samples, "loss": self.loss,
+            "seconds": self.seconds, "time": self.time, "metrics": self.metrics,
+            "contributions": self.contributions,
+        }
+
+
+def aggregate_step(step: int, records: Dict[str, StepRecord]) -> StepAggregate:
+    """Combine the named peers' records of ``step`` (weights: samples contributed)."""
+    assert all(record.step == step for record in records.values()), "records of another step mixed in"
+    total = sum(record.samples for record in records.values())
+    weights = {name: (record.samples / total if total else 1.0 / len(records)) for name, record in records.items()}
+    metric_names = sorted({name for record in records.values() for name in record.metrics})
+    metrics = {
+        metric: sum(weights[peer] * record.metrics[metric] for peer, record in records.items() if metric in record.metrics)
+        / max(1e-12, sum(weights[peer] for peer, record in records.items() if metric in record.metrics))
+        for metric in metric_names
+    }
+    return StepAggregate(
+        step=step,
+        peers=len(records),
+        samples=total,
+        loss=sum(weights[name] * record.loss for name, record in records.items()),
+        seconds=max(record.seconds for record in records.values()),
+        time=max(record.time for record in records.values()),
+        metrics=metrics,
+        contributions={name: record.samples for name, record in sorted(records.items())},
+    )
+
+
+@dataclass
+class StepAggregator:
+    """Collects records by step and releases a step once the swarm is safely past it."""
+
+    pending: Dict[int, Dict[str, StepRecord]] = field(default_factory=dict)
+    finished_up_to: int = -1
+    max_seen_step: int = -1
+
+    def add(self, peer_name: str, record: StepRecord) -> None:
+        if record.step <= self.finished_up_to or not math.isfinite(record.loss):
+            return
+        self.pending.setdefault(record.step, {})[peer_name] = record
+        self.max_seen_step = max(self.max_seen_step, record.step)
+
+    def pop_ready(self, flush: bool = False) -> List[StepAggregate]:
+        """Steps at least two behind the newest step seen (every peer has published them by then)."""
+        ready = []
+        for step in sorted(self.pending):
+            if flush or step <= self.max_seen_step - 2:
+                ready.append(aggregate_step(step, self.pending.pop(step)))
+                self.finished_up_to = max(self.finished_up_to, step)
+        return ready
+
+
+class HistoryWriter:
+    """Appends one JSON line per finished global step and mirrors it as CSV (human-friendly)."""
+
+    def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = directory / "history.jsonl"
+        self.csv_path = directory / "history.csv"
+
+    def write(self, aggregate: StepAggregate) -> None:
+        with self.jsonl_path.open("a") as jsonl:
+            jsonl.write(json.dumps(aggregate.to_json()) + "\n")
+        new_file = not self.csv_path.exists()
+        metric_names = sorted(aggregate.metrics)
+        with self.csv_path.open("a") as csv_file:
+            if new_file:
+                csv_file.write(",".join(["step", "peers", "samples", "loss", "seconds", "time", *metric_names]) + "\n")
+            values = [aggregate.step, aggregate.peers, aggregate.samples, f"{aggregate.loss:.6f}",
+                      f"{aggregate.seconds:.3f}", f"{aggregate.time:.3f}",
+                      *(f"{aggregate.metrics[name]:.6f}" for name in metric_names)]
+            csv_file.write(",".join(str(value) for value in values) + "\n")
+
+    def read(self) -> List[dict]:
+        if not self.jsonl_path.exists():
+            return []
+        return [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,84 @@
+"""hivemind.Optimizer built from config: semantics preset, wire compression, declared bandwidth."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import hivemind
+from hivemind.compression import (
+    BlockwiseQuantization,
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    ScaledFloat16Compression,
+    Uniform8BitQuantization,
+)
+
+from common.config import CollaborationConfig, Compression, Semantics
+from common.task import Task
+
+
+def make_compression(kind: Compression) -> CompressionBase:
+    if kind == Compression.none:
+        return NoCompression()
+    if kind == Compression.fp16:
+        return Float16Compression()
+    if kind == Compression.scaled_fp16:
+        return ScaledFloat16Compression()
+    if kind == Compression.uniform8bit:
+        return Uniform8BitQuantization()
+    if kind == Compression.blockwise8bit:
+        return BlockwiseQuantization()  # needs bitsandbytes at run time
+    raise ValueError(f"unknown compression {kind}")
+
+
+@dataclass(frozen=True)
+class SemanticsFlags:
+    use_local_updates: bool
+    delay_optimizer_step: bool
+    delay_grad_averaging: bool
+
+
+SEMANTICS = {
+    # The paper: every peer applies the same averaged gradient of the full target batch.
+    Semantics.sync: SemanticsFlags(use_local_updates=False, delay_optimizer_step=False, delay_grad_averaging=False),
+    # Delayed parameter updates: averaging and the optimizer step run in the background, one step stale.
+    Semantics.dpu: SemanticsFlags(use_local_updates=False, delay_optimizer_step=True, delay_grad_averaging=True),
+    # Local updates with parameter averaging every target batch.
+    Semantics.local: SemanticsFlags(use_local_updates=True, delay_optimizer_step=False, delay_grad_averaging=False),
+}
+
+
+def make_collaborative_optimizer(
+    dht: hivemind.DHT,
+    task: Task,
+    collab: CollaborationConfig,
+    local_batch_size: Optional[int],
+    auxiliary: bool = False,
+) -> hivemind.Optimizer:
+    """The task's optimizer wrapped in hivemind.Optimizer; ``auxiliary`` peers only help average."""
+    flags = SEMANTICS[collab.semantics]
+    compression = make_compression(collab.compression)
+    averager_opts = {"bandwidth": collab.bandwidth} if collab.bandwidth is not None else {}
+    return hivemind.Optimizer(
+        dht=dht,
+        run_id=collab.run_id,
+        target_batch_size=collab.target_batch_size,
+        batch_size_per_step=None if auxiliary else local_batch_size,
+        params=task.optimizer_param_groups(),
+        optimizer=task.make_optimizer,
+        scheduler=task.make_scheduler,
+        matchmaking_time=collab.matchmaking_time,
+        averaging_timeout=collab.averaging_timeout,
+        load_state_timeout=collab.load_state_timeout,
+        average_state_every=collab.average_state_every,
+        use_local_updates=flags.use_local_updates,
+        delay_optimizer_step=flags.delay_optimizer_step,
+        delay_grad_averaging=flags.delay_grad_averaging,
+        auxiliary=auxiliary,
+        grad_compression=compression,
+        state_averaging_compression=compression,
+        averager_opts=averager_opts,
+        tracker_opts={"min_refresh_period": 0.2, "default_refresh_period": 1.0},
+        verbose=False,
+    )

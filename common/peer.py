@@ -1,0 +1,59 @@
+"""What every role does first: parse its command line, load the config, start its DHT node, announce itself."""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import hivemind
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+
+from common.config import RunConfig, load_config
+from common.dht import join_command, start_dht, visible_multiaddrs
+from common.metrics import make_validators
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_FILE = "initial_peers.txt"  # a peer's multiaddrs, one per line, for launchers and volunteers
+
+
+@dataclass
+class RoleArguments:
+    config: RunConfig
+    config_path: str
+    name: str
+
+
+def parse_role_arguments(role: str, argv: Optional[Sequence[str]] = None) -> RoleArguments:
+    parser = argparse.ArgumentParser(description=f"DeDLOC {role} peer", allow_abbrev=False)
+    parser.add_argument("--config", required=True, help="YAML file under configs/")
+    parser.add_argument("--initial-peers", nargs="*", default=None,
+                        help="multiaddrs of any peer already in the swarm (printed by every running peer)")
+    parser.add_argument("--name", default=None, help="this peer's name in logs and the leaderboard")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. training.max_global_steps=20")
+    args = parser.parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    if args.initial_peers is not None:
+        config.network.initial_peers = list(args.initial_peers)
+    return RoleArguments(config=config, config_path=args.config, name=args.name or role)
+
+
+def device_for(config: RunConfig) -> torch.device:
+    wanted = config.training.device
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(wanted)
+
+
+def start_peer_dht(config: RunConfig, output_dir: Path, join_script: str, config_path: str) -> hivemind.DHT:
+    """Start the DHT with the metrics validators, write our addresses, and log the volunteer join command."""
+    validators: List = make_validators(config.collaboration.run_id, RSASignatureValidator())
+    dht = start_dht(config.network, validators)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if not config.network.client_mode:
+        (output_dir / ADDRESS_FILE).write_text("\n".join(visible_multiaddrs(dht)) + "\n")
+        logger.info(f"to join this run, a volunteer runs:\n  {join_command(dht, join_script, config_path)}")
+    return dht

@@ -1,0 +1,1 @@
+"""The three peer roles of a DeDLOC run: trainer, auxiliary, monitor."""

@@ -1,0 +1,70 @@
+"""Trainer role: computes gradients on its own data stream; the backend (from config) does the rest."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from common.backends import CollaborativeBackend, SingleProcessBackend, TrainingBackend
+from common.config import Backend, RunConfig, import_task_module
+from common.lifecycle import StopFlag
+from common.optimizer import make_collaborative_optimizer
+from common.peer import device_for, start_peer_dht
+from common.seeding import stable_seed
+from common.trainer import Trainer, TrainingSummary
+
+logger = logging.getLogger(__name__)
+
+FINAL_STATE_FILE = "final_model.pt"
+SUMMARY_FILE = "summary.json"
+
+
+def build_backend(config: RunConfig, task, peer_name: str, output_dir: Path, config_path: str,
+                  stop: StopFlag) -> TrainingBackend:
+    if config.training.backend == Backend.single:
+        return SingleProcessBackend(task, config.collaboration.target_batch_size)
+    if config.training.backend == Backend.ddp:
+        from common.ddp import DDPBackend  # imported lazily: only the baseline needs torch.distributed
+
+        return DDPBackend(task, config)
+    dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path)
+    try:
+        optimizer = make_collaborative_optimizer(dht, task, config.collaboration, config.training.local_batch_size)
+    except BaseException:
+        dht.shutdown()
+        raise
+    backend = CollaborativeBackend(dht, optimizer, config.collaboration, peer_name, "trainer",
+                                   config.monitor.metrics_expiration)
+    try:
+        backend.catch_up()
+        backend.wait_for_swarm(stop.is_set)
+    except BaseException:
+        backend.shutdown()
+        raise
+    return backend
+
+
+def run_trainer(config: RunConfig, config_path: str, peer_name: str, stop: StopFlag) -> TrainingSummary:
+    torch.set_num_threads(config.training.num_threads)
+    output_dir = Path(config.training.output_dir)
+    task_module = import_task_module(config.task_module)
+    torch.manual_seed(config.training.seed)  # every peer starts from the same initial parameters
+    task = task_module.build_task(config)
+    backend = build_backend(config, task, peer_name, output_dir, config_path, stop)
+    try:
+        trainer = Trainer(
+            task, backend, peer_name=peer_name, stream_seed=stable_seed(config.training.seed, peer_name),
+            max_global_steps=config.training.max_global_steps, max_wall_seconds=config.training.max_wall_seconds,
+            output_dir=output_dir, device=device_for(config), precision=config.training.precision,
+            log_every_seconds=config.training.log_every_seconds,
+            record_sample_ids=config.training.record_sample_ids, skip_nonfinite=config.training.skip_nonfinite,
+            stop=stop,
+        )
+        summary = trainer.run()
+        torch.save(task.model.state_dict(), output_dir / FINAL_STATE_FILE)
+        (output_dir / SUMMARY_FILE).write_text(json.dumps(summary.to_json(), indent=2))
+        return summary
+    finally:
+        backend.shutdown()

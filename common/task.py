@@ -1,0 +1,57 @@
+"""The experiment interface: what an experiment (ALBERT, SwAV, ...) gives the one training loop."""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, Iterator, Optional
+
+import torch
+from torch import nn
+
+Batch = Dict[str, torch.Tensor]
+SAMPLE_IDS = "sample_ids"  # every batch carries the global indices of its samples (for equivalence checks)
+
+
+@dataclass
+class StepOutput:
+    """One micro-batch's result: the mean loss over the micro-batch, its size, and task metrics."""
+
+    loss: torch.Tensor
+    batch_size: int
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+
+class Task(abc.ABC):
+    """An experiment: a model, its optimizer/scheduler factories, an infinite batch stream and a loss.
+
+    The optimizer and scheduler are *factories* because hivemind.Optimizer builds them itself (it may
+    keep the optimizer on offloaded copies of the parameters). The scheduler is stepped once per
+    **global** step by every backend, so schedules follow the swarm's progress, not local steps.
+    """
+
+    model: nn.Module
+
+    @abc.abstractmethod
+    def make_optimizer(self, params: Iterable) -> torch.optim.Optimizer:
+        """Optimizer over ``params`` (a list of tensors or param groups in the model's parameter order)."""
+
+    def make_scheduler(self, optimizer: torch.optim.Optimizer) -> Optional[torch.optim.lr_scheduler.LRScheduler]:
+        return None
+
+    def optimizer_param_groups(self) -> list:
+        """Param groups for the optimizer (e.g. no weight decay on biases/LayerNorm). Default: one group."""
+        return [{"params": list(self.model.parameters())}]
+
+    @abc.abstractmethod
+    def batches(self, stream_seed: int) -> Iterator[Batch]:
+        """An endless stream of micro-batches, ordered by ``stream_seed`` (each peer gets its own)."""
+
+    @abc.abstractmethod
+    def forward(self, model: nn.Module, batch: Batch) -> StepOutput:
+        """Forward pass on one micro-batch (already on the model's device)."""
+
+    def after_backward(self, model: nn.Module, global_step: int) -> None:
+        """Hook between backward and the optimizer (e.g. SwAV zeroes prototype gradients early on)."""
+
+    def on_global_step(self, model: nn.Module, global_step: int) -> None:
+        """Hook after each completed global step (e.g. SwAV normalises prototypes)."""
