@@ -4,11 +4,12 @@ from __future__ import annotations
 import logging
 import shlex
 import sys
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import hivemind
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-from multiaddr import Multiaddr
+from hivemind.utils.auth import AuthorizerBase
+from hivemind.utils.multiaddr import Multiaddr
 
 from common.config import NetworkConfig
 from common.errors import PeerError
@@ -28,8 +29,10 @@ def validate_multiaddrs(addresses: Sequence[str], what: str) -> List[str]:
     return list(addresses)
 
 
-def start_dht(network: NetworkConfig, record_validators: Sequence = ()) -> hivemind.DHT:
-    """Start this process's DHT node (must run in the main thread: hivemind requires it)."""
+def start_dht(network: NetworkConfig, record_validators: Sequence = (),
+              authorizer: Optional[AuthorizerBase] = None) -> hivemind.DHT:
+    """Start this process's DHT node (must run in the main thread: hivemind requires it). With an ``authorizer``
+    (``common.auth``), DHT requests and responses carry access tokens and unauthorized peers are refused."""
     initial_peers = validate_multiaddrs(network.initial_peers, "initial peer")
     validate_multiaddrs(network.host_maddrs, "host")
     validate_multiaddrs(network.announce_maddrs, "announce")
@@ -49,6 +52,7 @@ def start_dht(network: NetworkConfig, record_validators: Sequence = ()) -> hivem
             use_auto_relay=network.use_auto_relay,
             record_validators=list(record_validators),
             bootstrap_timeout=network.bootstrap_timeout,
+            authorizer=authorizer,
             startup_timeout=network.bootstrap_timeout,
             start=True,
         )

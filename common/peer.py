@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence
 import hivemind
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.auth import AuthorizerBase
 
 from common.config import RunConfig, load_config
 from common.dht import join_command, start_dht, visible_multiaddrs
@@ -48,10 +49,11 @@ def device_for(config: RunConfig) -> torch.device:
     return torch.device(wanted)
 
 
-def start_peer_dht(config: RunConfig, output_dir: Path, join_script: str, config_path: str) -> hivemind.DHT:
+def start_peer_dht(config: RunConfig, output_dir: Path, join_script: str, config_path: str,
+                   authorizer: Optional[AuthorizerBase] = None) -> hivemind.DHT:
     """Start the DHT with the metrics validators, write our addresses, and log the volunteer join command."""
     validators: List = make_validators(config.collaboration.run_id, RSASignatureValidator())
-    dht = start_dht(config.network, validators)
+    dht = start_dht(config.network, validators, authorizer)
     output_dir.mkdir(parents=True, exist_ok=True)
     if not config.network.client_mode:
         (output_dir / ADDRESS_FILE).write_text("\n".join(visible_multiaddrs(dht)) + "\n")

@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Optional
 
 import torch
+from hivemind.utils.auth import AuthorizerBase
 
 from common.backends import CollaborativeBackend, SingleProcessBackend, TrainingBackend
 from common.config import Backend, RunConfig, import_task_module
@@ -22,14 +24,14 @@ SUMMARY_FILE = "summary.json"
 
 
 def build_backend(config: RunConfig, task, peer_name: str, output_dir: Path, config_path: str,
-                  stop: StopFlag) -> TrainingBackend:
+                  stop: StopFlag, authorizer: Optional[AuthorizerBase] = None) -> TrainingBackend:
     if config.training.backend == Backend.single:
         return SingleProcessBackend(task, config.collaboration.target_batch_size)
     if config.training.backend == Backend.ddp:
         from common.ddp import DDPBackend  # imported lazily: only the baseline needs torch.distributed
 
         return DDPBackend(task, config)
-    dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path)
+    dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer)
     try:
         optimizer = make_collaborative_optimizer(dht, task, config.collaboration, config.training.local_batch_size)
     except BaseException:
@@ -46,13 +48,14 @@ def build_backend(config: RunConfig, task, peer_name: str, output_dir: Path, con
     return backend
 
 
-def run_trainer(config: RunConfig, config_path: str, peer_name: str, stop: StopFlag) -> TrainingSummary:
+def run_trainer(config: RunConfig, config_path: str, peer_name: str, stop: StopFlag,
+                authorizer: Optional[AuthorizerBase] = None) -> TrainingSummary:
     torch.set_num_threads(config.training.num_threads)
     output_dir = Path(config.training.output_dir)
     task_module = import_task_module(config.task_module)
     torch.manual_seed(config.training.seed)  # every peer starts from the same initial parameters
     task = task_module.build_task(config)
-    backend = build_backend(config, task, peer_name, output_dir, config_path, stop)
+    backend = build_backend(config, task, peer_name, output_dir, config_path, stop, authorizer)
     try:
         trainer = Trainer(
             task, backend, peer_name=peer_name, stream_seed=stable_seed(config.training.seed, peer_name),
