@@ -1,0 +1,173 @@
+"""Cost/time model (common/cost_model.py) from the command line.
+
+Cost comparison of the paper's setups for every task spec (CSV + Markdown + PNG):
+    python scripts/cost_model.py compare [--setups configs/setups/*.yaml] [--tasks configs/setups/tasks/*.yaml]
+                                         [--output-dir paper_results/cost]
+Predicted vs measured time per global step of a recorded swarm run (the monitor's history.jsonl):
+    python scripts/cost_model.py validate --run-dir outputs/albert_tiny --bandwidth-mbps 8000
+                                          [--throughput-dir outputs/albert_tiny_single] [--round-overhead-seconds 1.0]
+"""
+import _bootstrap  # noqa: F401  (repository root on sys.path)
+
+import argparse
+import csv
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+from common.config import Semantics
+from common.cost_model import Prediction, SetupConfig, load_setup, load_task_spec, predict, validate_against_history
+from common.errors import DataError, exit_on_user_error
+from common.lifecycle import setup_logging
+
+logger = logging.getLogger("cost_model")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_comparison(predictions: List[Prediction], setups: List[SetupConfig], output_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    rows = [prediction.to_row() for prediction in predictions]
+    with (output_dir / "cost_comparison.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+    columns = ["setup", "task", "trainers", "auxiliaries", "swarm_samples_per_second", "accumulation_s",
+               "averaging_s", "step_s", "total_days", "usd_per_hour", "total_cost_usd"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row[column]) for column in columns) + " |" for row in rows]
+    lines += ["", "Inputs and their sources (every figure marked 'assumption' is one):", ""]
+    for setup in setups:
+        lines.append(f"- **{setup.name}** ({setup.kind.value}, {setup.semantics.value}): round overhead "
+                     f"{setup.round_overhead_seconds} s ({setup.round_overhead_source})"
+                     + (f"; interconnect {setup.interconnect_gbps} Gb/s ({setup.interconnect_source})"
+                        if setup.interconnect_gbps else ""))
+        for group in setup.nodes:
+            rates = ", ".join(f"{task} {rate} samples/s" for task, rate in group.samples_per_second.items())
+            lines.append(
+                f"  - {group.count} x {group.name} ({group.accelerator}, {group.role.value}"
+                f"{', client mode' if group.client_mode else ''}): {rates or 'no gradients'}"
+                f"{' (' + group.throughput_source + ')' if rates else ''}; {group.upload_mbps}/{group.download_mbps}"
+                f" Mb/s up/down ({group.bandwidth_source}); ${group.usd_per_hour}/h {group.pricing.value} "
+                f"({group.price_source})"
+                + (f"; {group.interruptions_per_hour} interruptions/h, {group.restart_minutes} min to rejoin"
+                   if group.interruptions_per_hour else ""))
+    (output_dir / "cost_comparison.md").write_text("\n".join(lines) + "\n")
+
+    tasks = sorted({prediction.task for prediction in predictions})
+    figure, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
+    for axis, task in zip(axes[0], tasks):
+        for prediction in (p for p in predictions if p.task == task):
+            axis.scatter(prediction.total_hours / 24.0, prediction.total_cost_usd, s=60)
+            axis.annotate(prediction.setup, (prediction.total_hours / 24.0, prediction.total_cost_usd),
+                          textcoords="offset points", xytext=(5, 5), fontsize=8)
+        axis.set_xlabel("predicted wall time (days)")
+        axis.set_ylabel("predicted cost (USD)")
+        axis.set_title(f"{task}: cost vs time (model; inputs partly assumed)")
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(output_dir / "cost_vs_time.png", dpi=120)
+    plt.close(figure)
+    logger.info(f"wrote cost_comparison.csv, cost_comparison.md and cost_vs_time.png to {output_dir}")
+
+
+def command_compare(args: argparse.Namespace) -> None:
+    setups = [load_setup(path) for path in args.setups]
+    tasks = [load_task_spec(path) for path in args.tasks]
+    predictions = [predict(setup, task) for task in tasks for setup in setups]
+    for prediction in predictions:
+        logger.info(f"{prediction.task} on {prediction.setup}: {prediction.step_seconds:.2f} s/step, "
+                    f"{prediction.total_hours / 24:.1f} days, ${prediction.total_cost_usd:,.0f}")
+    write_comparison(predictions, setups, Path(args.output_dir))
+
+
+def _trainer_rates(directory: Path) -> Dict[str, float]:
+    rates = {}
+    for path in sorted(directory.rglob("summary.json")):
+        summary = json.loads(path.read_text())
+        if summary.get("samples", 0) > 0:
+            rates[summary.get("peer_name", str(path.parent))] = float(summary["samples_per_second"])
+    return rates
+
+
+def _count_parameters(run_dir: Path) -> int:
+    import torch
+
+    for path in sorted(run_dir.rglob("final_model.pt")):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        return int(sum(tensor.numel() for tensor in state.values() if tensor.is_floating_point()))
+    raise DataError(f"no final_model.pt under {run_dir} to count parameters; pass --parameters")
+
+
+def command_validate(args: argparse.Namespace) -> None:
+    run_dir = Path(args.run_dir)
+    histories = sorted(run_dir.rglob("history.jsonl"))
+    if not histories:
+        raise DataError(f"no history.jsonl (the monitor's per-step record) under {run_dir}")
+    history = [json.loads(line) for line in histories[0].read_text().splitlines() if line.strip()]
+    throughput_dir = Path(args.throughput_dir or run_dir)
+    rates = _trainer_rates(throughput_dir)
+    parameters = args.parameters or _count_parameters(run_dir)
+    validation = validate_against_history(
+        history, rates, parameters=parameters, bytes_per_parameter=args.bytes_per_parameter,
+        bandwidth_mbps=args.bandwidth_mbps, round_overhead_seconds=args.round_overhead_seconds,
+        average_state_every=args.average_state_every, semantics=Semantics(args.semantics),
+        auxiliary_peers=args.auxiliary_peers,
+    )
+    report = {**validation.to_json(), "history": str(histories[0]), "throughput_from": str(throughput_dir),
+              "trainer_samples_per_second": rates, "parameters": parameters, "bandwidth_mbps": args.bandwidth_mbps,
+              "round_overhead_seconds": args.round_overhead_seconds}
+    logger.info(f"predicted {validation.predicted_step_seconds:.3f} s/step "
+                f"(accumulation {validation.predicted_accumulation_seconds:.3f} + averaging "
+                f"{validation.predicted_averaging_seconds:.3f}), measured {validation.measured_step_seconds:.3f} "
+                f"s/step over {validation.steps_measured} steps: error {100 * validation.relative_error:+.1f} %")
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=2))
+    else:
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    compare = commands.add_parser("compare", help="cost comparison table and plot for the paper's setups")
+    compare.add_argument("--setups", nargs="+", default=sorted(str(p) for p in (ROOT / "configs/setups").glob("*.yaml")))
+    compare.add_argument("--tasks", nargs="+",
+                         default=sorted(str(p) for p in (ROOT / "configs/setups/tasks").glob("*.yaml")))
+    compare.add_argument("--output-dir", default=str(ROOT / "paper_results/cost"))
+    validate = commands.add_parser("validate", help="predicted vs measured time per global step of a run")
+    validate.add_argument("--run-dir", required=True, help="folder holding the monitor's history.jsonl")
+    validate.add_argument("--bandwidth-mbps", type=float, required=True, help="measured link bandwidth per peer")
+    validate.add_argument("--throughput-dir", default=None,
+                          help="folder with trainers' summary.json giving compute samples/s (default: --run-dir)")
+    validate.add_argument("--round-overhead-seconds", type=float, default=1.0,
+                          help="fixed cost of one averaging round (DESIGN.md section 4: ~1 s on loopback)")
+    validate.add_argument("--parameters", type=int, default=0, help="default: counted from final_model.pt")
+    validate.add_argument("--bytes-per-parameter", type=float, default=2.0)
+    validate.add_argument("--average-state-every", type=int, default=1)
+    validate.add_argument("--auxiliary-peers", type=int, default=0)
+    validate.add_argument("--semantics", choices=[s.value for s in Semantics], default=Semantics.sync.value)
+    validate.add_argument("--output", default=None, help="write the report here as JSON (default: stdout)")
+    return parser.parse_args()
+
+
+@exit_on_user_error
+def main() -> None:
+    setup_logging("cost_model")
+    args = parse_arguments()
+    if args.command == "compare":
+        command_compare(args)
+    else:
+        command_validate(args)
+
+
+if __name__ == "__main__":
+    main()
