@@ -1,0 +1,1 @@
+"""SwAV (ResNet, multi-crop, Sinkhorn swapped prediction) pretraining on the shared collaborative core."""
