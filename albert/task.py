@@ -10,6 +10,7 @@ import torch
 from timm.optim import Lamb
 from transformers import AlbertConfig, AlbertForPreTraining, get_linear_schedule_with_warmup
 
+from albert.bengali_data import BENGALI_STREAM, StreamConfig, build_streaming_dataset
 from albert.corpus import OFFLINE_WIKIPEDIA, load_documents
 from albert.data import SopDataset, build_examples, cache_key, load_or_build_examples, special_ids
 from albert.tokenizer import load_or_train_tokenizer
@@ -30,7 +31,8 @@ def _require(condition: bool, message: str) -> None:
 @dataclass
 class TaskConfig:
     # data
-    corpus: str = OFFLINE_WIKIPEDIA  # offline_wikipedia | a hub name (wikitext) | a local file or folder
+    corpus: str = OFFLINE_WIKIPEDIA  # offline_wikipedia | bengali_stream | a hub name (wikitext) | a local file or folder
+    stream: StreamConfig = field(default_factory=StreamConfig)  # sources mixed when corpus is bengali_stream
     dataset_config: Optional[str] = None  # e.g. wikitext-103-raw-v1
     tokenizer: str = "train"  # train (Unigram on the corpus) | hub name (albert-large-v2) | local folder
     max_documents: Optional[int] = None
@@ -130,7 +132,9 @@ class AlbertTask(Task):
 
 
 def build_dataset(config: TaskConfig):
-    """Tokenizer + cached SOP examples for the configured corpus."""
+    """Tokenizer + cached SOP examples for the configured corpus (or the streamed sahajBERT mix)."""
+    if config.corpus == BENGALI_STREAM:
+        return build_streaming_dataset(config)
     documents: Optional[list] = None
 
     def get_documents() -> list:
