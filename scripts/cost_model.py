@@ -24,6 +24,8 @@ from common.lifecycle import setup_logging
 
 logger = logging.getLogger("cost_model")
 ROOT = Path(__file__).resolve().parents[1]
+TABLE_START = "<!-- cost-table:start (written by scripts/cost_model.py compare) -->"
+TABLE_END = "<!-- cost-table:end -->"
 
 
 def write_comparison(predictions: List[Prediction], setups: List[SetupConfig], output_dir: Path) -> None:
@@ -60,6 +62,13 @@ def write_comparison(predictions: List[Prediction], setups: List[SetupConfig], o
                 + (f"; {group.interruptions_per_hour} interruptions/h, {group.restart_minutes} min to rejoin"
                    if group.interruptions_per_hour else ""))
     (output_dir / "cost_comparison.md").write_text("\n".join(lines) + "\n")
+    table = "\n".join(lines[:len(rows) + 2])
+    readme = output_dir / "README.md"
+    if readme.exists() and TABLE_START in readme.read_text():
+        text = readme.read_text()
+        head, rest = text.split(TABLE_START, 1)
+        tail = rest.split(TABLE_END, 1)[1]
+        readme.write_text(f"{head}{TABLE_START}\n{table}\n{TABLE_END}{tail}")
 
     tasks = sorted({prediction.task for prediction in predictions})
     figure, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
