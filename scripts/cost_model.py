@@ -5,7 +5,7 @@ Cost comparison of the paper's setups for every task spec (CSV + Markdown + PNG)
                                          [--output-dir paper_results/cost]
 Predicted vs measured time per global step of a recorded swarm run (the monitor's history.jsonl):
     python scripts/cost_model.py validate --run-dir outputs/albert_tiny --bandwidth-mbps 8000
-                                          [--throughput-dir outputs/albert_tiny_single] [--round-overhead-seconds 1.0]
+                                          [--config configs/albert/tiny.yaml] [--throughput-dir outputs/calibration]
 """
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
@@ -17,13 +17,15 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
-from common.config import Semantics
+from common.config import Compression, Semantics, load_config
 from common.cost_model import Prediction, SetupConfig, load_setup, load_task_spec, predict, validate_against_history
 from common.errors import DataError, exit_on_user_error
 from common.lifecycle import setup_logging
 
 logger = logging.getLogger("cost_model")
 ROOT = Path(__file__).resolve().parents[1]
+WIRE_BYTES = {Compression.none: 4.0, Compression.fp16: 2.0, Compression.scaled_fp16: 2.0,
+              Compression.uniform8bit: 1.0, Compression.blockwise8bit: 1.0}
 TABLE_START = "<!-- cost-table:start (written by scripts/cost_model.py compare) -->"
 TABLE_END = "<!-- cost-table:end -->"
 
@@ -124,15 +126,21 @@ def command_validate(args: argparse.Namespace) -> None:
     throughput_dir = Path(args.throughput_dir or run_dir)
     rates = _trainer_rates(throughput_dir)
     parameters = args.parameters or _count_parameters(run_dir)
+    bytes_per_parameter, average_state_every = args.bytes_per_parameter, args.average_state_every
+    semantics = Semantics(args.semantics)
+    if args.config:  # the run's own collaboration settings win over the flags
+        collaboration = load_config(args.config).collaboration
+        bytes_per_parameter = WIRE_BYTES[collaboration.compression]
+        average_state_every, semantics = collaboration.average_state_every, collaboration.semantics
     validation = validate_against_history(
-        history, rates, parameters=parameters, bytes_per_parameter=args.bytes_per_parameter,
+        history, rates, parameters=parameters, bytes_per_parameter=bytes_per_parameter,
         bandwidth_mbps=args.bandwidth_mbps, round_overhead_seconds=args.round_overhead_seconds,
-        average_state_every=args.average_state_every, semantics=Semantics(args.semantics),
-        auxiliary_peers=args.auxiliary_peers,
+        average_state_every=average_state_every, semantics=semantics, auxiliary_peers=args.auxiliary_peers,
     )
     report = {**validation.to_json(), "history": str(histories[0]), "throughput_from": str(throughput_dir),
               "trainer_samples_per_second": rates, "parameters": parameters, "bandwidth_mbps": args.bandwidth_mbps,
-              "round_overhead_seconds": args.round_overhead_seconds}
+              "round_overhead_seconds": args.round_overhead_seconds, "bytes_per_parameter": bytes_per_parameter,
+              "average_state_every": average_state_every, "semantics": semantics.value}
     logger.info(f"predicted {validation.predicted_step_seconds:.3f} s/step "
                 f"(accumulation {validation.predicted_accumulation_seconds:.3f} + averaging "
                 f"{validation.predicted_averaging_seconds:.3f}), measured {validation.measured_step_seconds:.3f} "
@@ -159,6 +167,8 @@ def parse_arguments() -> argparse.Namespace:
                           help="folder with trainers' summary.json giving compute samples/s (default: --run-dir)")
     validate.add_argument("--round-overhead-seconds", type=float, default=1.0,
                           help="fixed cost of one averaging round (DESIGN.md section 4: ~1 s on loopback)")
+    validate.add_argument("--config", default=None,
+                          help="the run's config: wire bytes, average_state_every and semantics come from it")
     validate.add_argument("--parameters", type=int, default=0, help="default: counted from final_model.pt")
     validate.add_argument("--bytes-per-parameter", type=float, default=2.0)
     validate.add_argument("--average-state-every", type=int, default=1)

@@ -175,12 +175,14 @@ def test_validate_cli_on_a_run_folder(tmp_path):
     report_path = tmp_path / "report.json"
     completed = subprocess.run(
         [sys.executable, str(ROOT / "scripts/cost_model.py"), "validate", "--run-dir", str(run), "--bandwidth-mbps",
-         "1000", "--parameters", "1000000", "--output", str(report_path)],
+         "1000", "--parameters", "1000000", "--config", str(ROOT / "configs/albert/tiny.yaml"), "--output",
+         str(report_path)],
         capture_output=True, text=True, timeout=110)
     assert completed.returncode == 0, completed.stderr
     report = json.loads(report_path.read_text())
     assert report["trainer_samples_per_second"] == {"a": 50.0, "b": 50.0, "c": 50.0}
     assert report["measured_step_seconds"] == pytest.approx(4.0)
+    assert report["bytes_per_parameter"] == 2.0 and report["semantics"] == "sync"  # from the tiny config (fp16)
     missing = subprocess.run(
         [sys.executable, str(ROOT / "scripts/cost_model.py"), "validate", "--run-dir", str(tmp_path / "nothing"),
          "--bandwidth-mbps", "1000"], capture_output=True, text=True, timeout=110)
