@@ -1,0 +1,52 @@
+"""Join a sahajBERT-style authorized run as a volunteer trainer (client mode by default):
+
+  python scripts/volunteer.py --config configs/sahajbert/paper.yaml --auth-server http://HOST:PORT \
+      --initial-peers /ip4/.../p2p/... [--name NAME] [--server-mode] [key=value overrides]
+
+Credentials come from $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt. Refusals (not allowlisted, wrong
+password, expired access, unreachable server) end with one line naming the problem.
+"""
+import argparse
+import getpass
+import os
+import sys
+
+import _bootstrap  # noqa: F401  (repository root on sys.path)
+
+from common.auth import AllowlistTokenAuthorizer
+from common.errors import ConfigError, exit_on_user_error
+from common.lifecycle import StopFlag, setup_logging
+from common.peer import parse_role_arguments
+from common.roles.trainer import run_trainer
+
+USERNAME_VARIABLE, PASSWORD_VARIABLE = "DEDLOC_USERNAME", "DEDLOC_PASSWORD"
+
+
+def credentials() -> tuple:
+    username = os.environ.get(USERNAME_VARIABLE) or (input("username: ").strip() if sys.stdin.isatty() else "")
+    password = os.environ.get(PASSWORD_VARIABLE) or (getpass.getpass("password: ") if sys.stdin.isatty() else "")
+    if not username or not password:
+        raise ConfigError(f"no credentials: set {USERNAME_VARIABLE} and {PASSWORD_VARIABLE} or run in a terminal")
+    return username, password
+
+
+@exit_on_user_error
+def main() -> None:
+    stop = StopFlag().install()
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--auth-server", required=True, help="URL of scripts/auth_server.py")
+    parser.add_argument("--server-mode", action="store_true",
+                        help="accept inbound connections (only if this machine is reachable; default: client mode)")
+    own, rest = parser.parse_known_args()
+    username, password = credentials()
+    args = parse_role_arguments("volunteer", rest)
+    name = args.name if args.name != "volunteer" else username
+    setup_logging(name)
+    args.config.network.client_mode = not own.server_mode
+    authorizer = AllowlistTokenAuthorizer(own.auth_server, username, password)
+    authorizer.fetch_token()  # refusals surface here, before any DHT starts
+    run_trainer(args.config, args.config_path, name, stop, authorizer)
+
+
+if __name__ == "__main__":
+    main()
