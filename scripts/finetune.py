@@ -1,0 +1,83 @@
+"""Fine-tune a pretrained ALBERT on a downstream task with several seeds (sahajBERT's evaluation protocol):
+
+  python scripts/finetune.py --task wiki_topic --config configs/albert/tiny.yaml \
+      --checkpoint outputs/albert_single/final_model.pt --seeds 3 --output paper_results/sahajbert/x.json
+
+Tasks: wikiann_bn (NER F1) and sna_bn (accuracy) from the hub at full scale; offline substitutes wiki_mentions
+(link-anchor mention tagging, F1) and wiki_topic (Wikipedia topic classification, accuracy). The model and
+tokenizer come from the pretraining run's config (same task.* settings and cache); --checkpoint omitted means
+a randomly initialised encoder (the no-pretraining baseline).
+"""
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import _bootstrap  # noqa: F401  (repository root on sys.path)
+
+import torch
+
+from albert.finetune import SEQUENCE_TASKS, TOKEN_TASKS, FinetuneSettings, finetune_one_seed, load_sequence_task, \
+    load_token_task, summarise
+from albert.task import build_dataset, build_model
+from common.config import load_config
+from common.errors import ConfigError, DataError, exit_on_user_error
+from common.lifecycle import setup_logging
+
+logger = logging.getLogger("finetune")
+
+
+@exit_on_user_error
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--task", required=True, choices=sorted({*TOKEN_TASKS, *SEQUENCE_TASKS}))
+    parser.add_argument("--config", required=True, help="the pretraining run's config (model shape, tokenizer)")
+    parser.add_argument("--checkpoint", default=None, help="final_model.pt of the pretraining run")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--max-train-examples", type=int, default=None)
+    parser.add_argument("--max-eval-examples", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--output", default=None, help="JSON file for the per-seed and summary results")
+    parser.add_argument("overrides", nargs="*", help="overrides of the pretraining config, e.g. task.cache_dir=...")
+    args = parser.parse_args()
+    if args.seeds < 1:
+        raise ConfigError("--seeds must be >= 1")
+    try:
+        settings = FinetuneSettings(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
+                                    max_length=args.max_length, max_train_examples=args.max_train_examples,
+                                    max_eval_examples=args.max_eval_examples)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    setup_logging("finetune")
+    torch.set_num_threads(args.threads)
+    run_config = load_config(args.config, args.overrides)
+    if run_config.task_module != "albert":
+        raise ConfigError(f"{args.config} is not an ALBERT run (task_module {run_config.task_module!r})")
+    tokenizer, _ = build_dataset(run_config.task)
+    model_config = build_model(run_config.task, run_config.task.vocab_size).config
+    pretrained = None
+    if args.checkpoint is not None:
+        if not Path(args.checkpoint).is_file():
+            raise DataError(f"checkpoint not found: {args.checkpoint}")
+        pretrained = torch.load(args.checkpoint, map_location="cpu")
+    kind = "token" if args.task in TOKEN_TASKS else "sequence"
+    splits = (load_token_task if kind == "token" else load_sequence_task)(args.task, seed=0)
+    logger.info(f"{args.task}: {len(splits.train)} train / {len(splits.validation)} validation / "
+                f"{len(splits.test)} test examples, {len(splits.labels)} labels")
+    runs = [finetune_one_seed(kind, splits, tokenizer, model_config, pretrained, settings, seed)
+            for seed in range(args.seeds)]
+    summary = {"task": args.task, "metric": "seqeval_f1" if kind == "token" else "accuracy",
+               "config": args.config, "checkpoint": args.checkpoint, "settings": vars(settings), **summarise(runs)}
+    logger.info(f"{args.task} ({summary['metric']}): {100 * summary['test_mean']:.2f} +- "
+                f"{100 * summary['test_std']:.2f} over {args.seeds} seeds")
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
