@@ -76,6 +76,9 @@ def make_collaborative_optimizer(
         delay_optimizer_step=flags.delay_optimizer_step,
         delay_grad_averaging=flags.delay_grad_averaging,
         auxiliary=auxiliary,
+        # hivemind 1.1.12 inverts its None check and then takes dht.client_mode only for a non-None value;
+        # without it a client-mode trainer crashes at its first epoch (state_sharing_priority on a client averager)
+        client_mode=dht.client_mode,
         grad_compression=compression,
         state_averaging_compression=compression,
         averager_opts=averager_opts,
