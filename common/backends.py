@@ -42,6 +42,9 @@ class TrainingBackend(abc.ABC):
     def publish(self, records: List[StepRecord]) -> None:
         """Share this peer's recent step records (collaborative backends only)."""
 
+    def finalize(self) -> None:
+        """Make the model hold the run's final parameters (collaborative: apply the last state averaging)."""
+
     def shutdown(self) -> None: ...
 
 
@@ -119,10 +122,9 @@ class CollaborativeBackend(TrainingBackend):
         expected, deadline = self.collab.expected_peers, time.monotonic() + self.collab.start_barrier_timeout
         last_log = 0.0
         while not stop_requested():
-            self.publish([])
+            self.publish([])  # hivemind's tracker shows a peer only once it has samples: announce ourselves
             trainers = count_trainers(self.dht, self.collab.run_id)
-            tracked = self.optimizer.tracker.global_progress.num_peers
-            if trainers >= expected and tracked >= expected:
+            if trainers >= expected:
                 logger.info(f"start barrier passed: {trainers} trainers visible")
                 return
             if time.monotonic() > deadline:
@@ -134,12 +136,15 @@ class CollaborativeBackend(TrainingBackend):
             time.sleep(0.5)
 
     def catch_up(self) -> None:
-        """A peer joining a run that has made progress (or resumes from a checkpoint) loads the swarm's state."""
-        time.sleep(1.0)  # let the tracker fetch the swarm's progress once
-        if self.optimizer.tracker.global_epoch > self.optimizer.local_epoch:
-            logger.info(f"swarm is at step {self.optimizer.tracker.global_epoch}: loading state from peers")
-            self.optimizer.load_state_from_peers()
-            logger.info(f"loaded state: now at step {self.optimizer.local_epoch}")
+        """Load the newest state any peer shares: a late joiner gets the swarm's parameters, optimizer state and
+        step; a new swarm gets the monitor's checkpoint. (In a fresh swarm everyone is at step 0: a no-op.)"""
+        self.optimizer.load_state_from_peers()
+        if self.optimizer.local_epoch > 0:
+            logger.info(f"loaded the swarm's state: continuing from global step {self.optimizer.local_epoch}")
+
+    def finalize(self) -> None:
+        # Wait for the last step's background parameter averaging and copy its result into the model.
+        self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
 
     def shutdown(self) -> None:
         self.optimizer.shutdown()

@@ -117,6 +117,13 @@ def measure_link(dht: hivemind.DHT, peer_id: PeerID, seconds: float = 2.0) -> Li
                            peer=peer_id.to_base58())
 
 
+def measure_link_to_initial_peer(dht: hivemind.DHT, initial_peer: str, seconds: float = 2.0) -> LinkMeasurement:
+    """Measure against a multiaddr from ``network.initial_peers`` (it names the peer: ``.../p2p/<id>``)."""
+    if "/p2p/" not in initial_peer:
+        raise ValueError(f"initial peer address {initial_peer!r} lacks the /p2p/<peer id> part")
+    return measure_link(dht, PeerID.from_base58(initial_peer.rsplit("/p2p/", 1)[1]), seconds)
+
+
 def bandwidth_for_averager(declared_mbit: Optional[float], measurement: Optional[LinkMeasurement]) -> Optional[float]:
     """The ``bandwidth`` to give hivemind's averager: the measured link if there is one, else the declared
     figure; logs both so a wrong declaration shows up."""

@@ -59,7 +59,12 @@ def start_dht(network: NetworkConfig, record_validators: Sequence = (),
     except (P2PDaemonError, RuntimeError, TimeoutError, OSError) as error:
         detail = " ".join(str(error).split())[:300]
         raise PeerError(f"could not start the DHT node or reach initial peers {initial_peers}: {detail}") from None
-    if initial_peers and not _has_neighbours(dht):
+    try:
+        connected = not initial_peers or dht.run_coroutine(_count_neighbours) > 0
+    except BaseException:
+        dht.shutdown()
+        raise
+    if not connected:
         dht.shutdown()
         raise PeerError(
             f"no initial peer answered as a DHT server within {network.bootstrap_timeout:.0f} s "
@@ -68,11 +73,13 @@ def start_dht(network: NetworkConfig, record_validators: Sequence = (),
     return dht
 
 
-def _has_neighbours(dht: hivemind.DHT) -> bool:
-    async def count(_dht, node) -> int:
-        return sum(len(bucket.nodes_to_peer_id) for bucket in node.protocol.routing_table.buckets)
+async def _count_neighbours(_dht, node) -> int:
+    return sum(len(bucket.nodes_to_peer_id) for bucket in node.protocol.routing_table.buckets)
 
-    return dht.run_coroutine(count) > 0
+
+def _has_neighbours(dht: hivemind.DHT) -> bool:
+    # run_coroutine pickles the coroutine function to the DHT process: it must be a module-level function
+    return dht.run_coroutine(_count_neighbours) > 0
 
 
 def visible_multiaddrs(dht: hivemind.DHT) -> List[str]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import logging
 import sys
 from typing import Callable, TypeVar
@@ -29,17 +30,31 @@ class PeerError(UserError):
 
 
 def exit_on_user_error(main: F) -> F:
-    """Wrap an entry point so a UserError ends the process with one line on stderr and exit code 2."""
+    """Wrap an entry point: a UserError ends the process with one line on stderr and exit code 2.
+
+    The process then exits with ``os._exit``: a hivemind thread or child left hanging by a failure must
+    not keep a finished peer alive (the launcher kills the rest of the process group).
+    """
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        code = 0
         try:
-            return main(*args, **kwargs)
+            main(*args, **kwargs)
         except UserError as error:
-            logging.shutdown()
             message = " ".join(str(error).split())
             sys.stderr.write(f"error: {message}\n")
-            sys.stderr.flush()
-            sys.exit(2)
+            code = 2
+        except KeyboardInterrupt:
+            code = 130
+        except SystemExit as exit_request:
+            code = exit_request.code if isinstance(exit_request.code, int) else 1
+        except BaseException:
+            logging.getLogger(main.__module__).exception("unexpected error")
+            code = 1
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     return wrapper  # type: ignore[return-value]

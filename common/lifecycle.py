@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -22,8 +23,8 @@ class StopFlag:
         return self
 
     def _handle(self, signum, _frame) -> None:
-        if self._event.is_set():
-            raise SystemExit(128 + signum)
+        if self._event.is_set():  # a second signal: the user wants out now
+            os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
         logging.getLogger(__name__).info(f"received {self.signal_name}: finishing the current step and shutting down")
         self._event.set()

@@ -37,7 +37,7 @@ SUBNET_PREFIX = "10.77.0"  # /24, exists only inside our own namespaces
 HOST_INTERFACE = "eth0"
 BRIDGE_NAME = "br0"
 _NAMESPACE_PATTERN = re.compile(rf"^{NAMESPACE_PREFIX}(\d+)-[0-9a-f]+-")
-ROLES = ("trainer", "aux", "monitor")
+ROLES = ("trainer", "auxiliary", "monitor")  # the role scripts of common/swarm.py
 
 
 class NetworkEmulationUnavailable(UserError):
@@ -53,7 +53,7 @@ class HostSpec:
     """One emulated host: its link caps (Mbit/s; None = uncapped) and whether it accepts inbound connections."""
 
     name: str = "host"
-    role: str = "trainer"  # trainer | aux | monitor: which role a launcher starts on this host
+    role: str = "trainer"  # trainer | auxiliary | monitor: which role a launcher starts on this host
     upload_mbit: Optional[float] = None
     download_mbit: Optional[float] = None
     accepts_inbound: bool = True  # False = behind NAT/firewall: the peer must run in client mode
@@ -67,8 +67,8 @@ class HostSpec:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"host {self.name}: {key} must be > 0 (got {value})")
-        if self.role == "aux" and not self.accepts_inbound:
-            raise ValueError(f"host {self.name}: an aux peer must accept inbound connections (it aggregates)")
+        if self.role == "auxiliary" and not self.accepts_inbound:
+            raise ValueError(f"host {self.name}: an auxiliary peer must accept inbound connections (it aggregates)")
 
     @property
     def link_mbit(self) -> Optional[float]:
@@ -234,7 +234,24 @@ class EmulatedNetwork:
         for index, host in enumerate(self.hosts):
             if host.name == name:
                 return index
-        raise KeyError(name)
+        raise KeyError(f"no emulated host named {name!r} (hosts: {', '.join(h.name for h in self.hosts)})")
+
+    def command_prefix_for(self, name: str) -> List[str]:
+        """``command_prefix`` by host name: plugs into ``LocalSwarm(command_prefix=...)``."""
+        return self.command_prefix(self.index_of(name))
+
+    def peer_overrides(self, name: str) -> List[str]:
+        """Config overrides that make a peer on host ``name`` fit it: listen on the host's address, client mode
+        behind a no-inbound firewall, and declare the host's link to the load balancer. Plugs into
+        ``LocalSwarm(host_overrides=...)``."""
+        index = self.index_of(name)
+        host = self.hosts[index]
+        overrides = [f"network.host_maddrs=[{self.host_maddr(index)}]"]
+        if not host.accepts_inbound:
+            overrides.append("network.client_mode=true")
+        if host.link_mbit is not None:
+            overrides.append(f"collaboration.bandwidth={host.link_mbit:g}")
+        return overrides
 
     def describe(self) -> Dict[str, str]:
         return {host.name: f"{self.host_ip(i)} up {host.upload_mbit or 'inf'} / down {host.download_mbit or 'inf'} Mbit/s"

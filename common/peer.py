@@ -36,10 +36,17 @@ def parse_role_arguments(role: str, argv: Optional[Sequence[str]] = None) -> Rol
     parser.add_argument("--name", default=None, help="this peer's name in logs and the leaderboard")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. training.max_global_steps=20")
     args = parser.parse_args(argv)
-    config = load_config(args.config, args.overrides)
+    # argparse lets --initial-peers swallow the overrides that follow it: give them back
+    peers = [item for item in args.initial_peers or [] if not _looks_like_override(item)]
+    overrides = [item for item in args.initial_peers or [] if _looks_like_override(item)] + args.overrides
+    config = load_config(args.config, overrides)
     if args.initial_peers is not None:
-        config.network.initial_peers = list(args.initial_peers)
+        config.network.initial_peers = peers
     return RoleArguments(config=config, config_path=args.config, name=args.name or role)
+
+
+def _looks_like_override(item: str) -> bool:
+    return "=" in item and not item.startswith("/")
 
 
 def device_for(config: RunConfig) -> torch.device:

@@ -101,7 +101,7 @@ def run_worker(plan: dict) -> None:
                 target_group_size=condition["group_size"], min_group_size=condition["group_size"],
                 min_matchmaking_time=plan["matchmaking_time"], request_timeout=3.0,
                 allreduce_timeout=plan["allreduce_timeout"], compression=make_compression(condition["compression"]),
-                bandwidth=condition["declared_mbit"], auxiliary=host["role"] == "aux",
+                bandwidth=condition["declared_mbit"], auxiliary=host["role"] == "auxiliary",
                 client_mode=client_mode)
             try:
                 for round_index in range(plan["rounds"] + 1):  # round 0 warms connections up
@@ -121,7 +121,7 @@ def run_worker(plan: dict) -> None:
                         relative_error = float((tensors[0] - expected).norm() / expected.norm())
                     record = {"condition": condition["index"], "round": round_index, "host": host["name"],
                               "started": started, "finished": finished, "group_size": len(group) if group else 0,
-                              "relative_error": relative_error if host["role"] != "aux" else None}
+                              "relative_error": relative_error if host["role"] != "auxiliary" else None}
                     with results.open("a") as handle:
                         handle.write(json.dumps(record) + "\n")
                 # a peer done with its own result may still be sending its reduced part to the others:
@@ -163,7 +163,7 @@ def lower_bounds(hosts: Sequence[HostSpec], vector_bytes: float) -> Dict[str, fl
     import numpy as np
     import scipy.optimize
 
-    holds_data = [host.role != "aux" for host in hosts]
+    holds_data = [host.role != "auxiliary" for host in hosts]
     can_reduce = [host.accepts_inbound for host in hosts]
     links = [host.link_mbit for host in hosts]
     reducers = sum(can_reduce)
@@ -215,7 +215,7 @@ def stop_all(processes: Sequence[subprocess.Popen]) -> None:
 
 def run_setup(setup: NetworkSetup, conditions: List[Condition], args) -> List[dict]:
     """Build the setup's network, run every condition with one worker per host, and summarise each."""
-    hosts = [host for host in setup.hosts if host.role in ("trainer", "aux")]
+    hosts = [host for host in setup.hosts if host.role in ("trainer", "auxiliary")]
     bootstrap = next((i for i, host in enumerate(hosts) if host.accepts_inbound and host.role == "trainer"), None)
     if bootstrap is None:
         raise ConfigError(f"setup {setup.name}: needs a trainer host that accepts inbound connections")
@@ -265,7 +265,7 @@ def run_setup(setup: NetworkSetup, conditions: List[Condition], args) -> List[di
 
 
 def worker_condition(condition: Condition, host: HostSpec, hosts: Sequence[HostSpec], data_ranks: dict) -> dict:
-    members = [h for h in hosts if condition.aux == "with" or h.role != "aux"]
+    members = [h for h in hosts if condition.aux == "with" or h.role != "auxiliary"]
     data_members = [h for h in members if h.role == "trainer"]
     mean_scale = statistics.mean(data_ranks[h.name] + 1 for h in data_members)
     declared = UNIFORM_DECLARED_MBIT if condition.split == "uniform" else host.link_mbit
@@ -287,7 +287,7 @@ def report_progress(results_file: Path, conditions: List[Condition], rounds: int
 
 def summarise(setup: NetworkSetup, hosts: Sequence[HostSpec], condition: Condition, records: List[dict],
               rounds: int) -> dict:
-    members = [h for h in hosts if condition.aux == "with" or h.role != "aux"]
+    members = [h for h in hosts if condition.aux == "with" or h.role != "auxiliary"]
     vector_bytes = condition.params * BYTES_PER_ELEMENT[condition.compression]
     bounds = lower_bounds(members, vector_bytes)
     times, errors = [], []
@@ -299,7 +299,7 @@ def summarise(setup: NetworkSetup, hosts: Sequence[HostSpec], condition: Conditi
     median = statistics.median(times) if times else float("nan")
     return {
         "setup": setup.name, "peers": sum(h.role == "trainer" for h in members),
-        "aux_peers": sum(h.role == "aux" for h in members),
+        "aux_peers": sum(h.role == "auxiliary" for h in members),
         "client_mode_peers": sum(not h.accepts_inbound for h in members), "params": condition.params,
         "compression": condition.compression, "split": condition.split, "aux": condition.aux,
         "rounds_ok": len(times), "rounds": rounds, "round_s_median": round(median, 3),
@@ -358,8 +358,8 @@ def main() -> None:
     parser.add_argument("--compression", nargs="+", choices=COMPRESSIONS, default=["fp16"])
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per condition (after one warm-up)")
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
-    parser.add_argument("--allreduce-timeout", type=float, default=180.0)
-    parser.add_argument("--step-timeout", type=float, default=240.0)
+    parser.add_argument("--allreduce-timeout", type=float, default=60.0)
+    parser.add_argument("--step-timeout", type=float, default=120.0)
     parser.add_argument("--setup-timeout", type=float, default=1800.0, help="give up on a setup after this long")
     parser.add_argument("--use-relay", type=int, choices=(0, 1), default=1, help="hivemind DHT use_relay")
     parser.add_argument("--use-auto-relay", type=int, choices=(0, 1), default=0, help="hivemind DHT use_auto_relay")
@@ -374,6 +374,9 @@ def main() -> None:
         run_worker(json.loads(args.worker.read_text()))
         return
     setup_logging("averaging_benchmark")
+    # a background job inherits SIGINT ignored: make both signals unwind through the cleanup in run_setup
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, lambda signum, _frame: sys.exit(128 + signum))
     if not args.setups:
         raise ConfigError("give at least one --setups configs/network/<name>.yaml")
     if args.rounds < 1 or any(p < 1 for p in args.params):
@@ -381,7 +384,7 @@ def main() -> None:
     setups = [load_network_setup(path) for path in args.setups]
     rows = []
     for setup in setups:
-        has_aux = any(host.role == "aux" for host in setup.hosts)
+        has_aux = any(host.role == "auxiliary" for host in setup.hosts)
         grid = itertools.product(args.params, args.compression, args.splits,
                                  [a for a in args.aux if a == "without" or has_aux])
         conditions = [Condition(i, params, split, aux, compression)
@@ -395,8 +398,8 @@ def main() -> None:
                         f"{row['ratio_to_optimal_bound']}, {row['rounds_ok']}/{row['rounds']} rounds ok)")
         logger.info(f"setup {setup.name} took {time.monotonic() - started:.0f} s")
         rows.extend(setup_rows)
-    write_outputs(rows, args.output_dir, args.stem)
-    logger.info(f"wrote {args.output_dir / args.stem}.csv/.md/.png")
+        write_outputs(rows, args.output_dir, args.stem)  # after every setup: an interrupted run keeps its results
+        logger.info(f"wrote {args.output_dir / args.stem}.csv/.md/.png")
 
 
 if __name__ == "__main__":

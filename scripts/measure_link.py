@@ -9,6 +9,7 @@ behind a no-inbound firewall). Prints declared vs measured Mbit/s.
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
 import argparse
+import csv
 import json
 import logging
 import os
@@ -41,14 +42,12 @@ def serve(host_maddr: str, address_file: Path) -> None:
 
 def measure(host_maddr: str, initial_peers: list, client_mode: bool, seconds: float, declared: float) -> dict:
     import hivemind
-    from hivemind.p2p import PeerID
 
-    from common.bandwidth import bandwidth_for_averager, measure_link
+    from common.bandwidth import bandwidth_for_averager, measure_link_to_initial_peer
 
     dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=[host_maddr], client_mode=client_mode, start=True)
     try:
-        peer_id = PeerID.from_base58(initial_peers[0].rsplit("/p2p/", 1)[1])
-        measurement = measure_link(dht, peer_id, seconds)
+        measurement = measure_link_to_initial_peer(dht, initial_peers[0], seconds)
         bandwidth_for_averager(declared, measurement)
         return {"upload_mbit": measurement.upload_mbit, "download_mbit": measurement.download_mbit}
     finally:
@@ -104,10 +103,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="transfer time each way")
     parser.add_argument("--client-mode", action="store_true", help="host 0 accepts no inbound connections")
     parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument("--csv", type=Path, help="also append the result as a row here")
     parser.add_argument("--serve", nargs=2, metavar=("HOST_MADDR", "ADDRESS_FILE"), help=argparse.SUPPRESS)
     parser.add_argument("--measure", nargs=2, metavar=("HOST_MADDR", "PEERS_JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     setup_logging("measure_link")
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):  # unwind through the cleanup in run_emulated
+        signal.signal(stop_signal, lambda signum, _frame: sys.exit(128 + signum))
     if args.serve:
         serve(args.serve[0], Path(args.serve[1]))
         return
@@ -122,6 +124,14 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.csv:
+        write_header = not args.csv.exists()
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with args.csv.open("a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(result))
+            if write_header:
+                writer.writeheader()
+            writer.writerow(result)
     sys.stdout.write(json.dumps(result) + "\n")
 
 

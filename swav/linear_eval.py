@@ -1,7 +1,7 @@
 """Linear evaluation (the paper's metric) and kNN accuracy of frozen SwAV trunk features on Fashion-MNIST.
 
 Features: the trunk's global-average-pooled output in eval mode, on whole images resized to the large-crop
-size and normalised like the training crops. Linear probe: scikit-learn's multinomial logistic regression on
+size and normalised like the training crops. Linear probe: multinomial logistic regression (L2 1e-4) on
 standardised train features; kNN: cosine similarity, k nearest train features vote with weight exp(sim / T).
 """
 from __future__ import annotations
@@ -16,9 +16,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lightly.transforms.utils import IMAGENET_NORMALIZE
-from sklearn.linear_model import LogisticRegression
-from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
 
 from common.config import RunConfig, import_task_module
 from common.errors import DataError
@@ -65,10 +62,31 @@ def extract_features(model: SwavModel, images: np.ndarray, image_size: int, batc
 
 
 def linear_probe_top1(train: torch.Tensor, train_labels: np.ndarray, test: torch.Tensor, test_labels: np.ndarray,
-                      seed: int = 0) -> float:
-    classifier = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000, random_state=seed))
-    classifier.fit(train.numpy(), train_labels)
-    return float((classifier.predict(test.numpy()) == test_labels).mean())
+                      num_classes: int = 10, weight_decay: float = 1e-4, iterations: int = 200) -> float:
+    """Multinomial logistic regression on standardised features, fitted to convergence with full-batch L-BFGS.
+
+    torch rather than scikit-learn's LogisticRegression: the same model, but sklearn took minutes per fit on
+    this shared 2-core machine, while L-BFGS over a 10,000 x 128 matrix takes about a second.
+    """
+    mean, std = train.mean(dim=0), train.std(dim=0).clamp_min(1e-6)
+    train_x, test_x = (train - mean) / std, (test - mean) / std
+    targets = torch.from_numpy(train_labels)
+    classifier = torch.nn.Linear(train_x.shape[1], num_classes)
+    torch.nn.init.zeros_(classifier.weight)  # the problem is convex: a fixed start makes the fit deterministic
+    torch.nn.init.zeros_(classifier.bias)
+    optimizer = torch.optim.LBFGS(classifier.parameters(), lr=1.0, max_iter=iterations, history_size=20,
+                                  line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(classifier(train_x), targets) + weight_decay * classifier.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    with torch.no_grad():
+        predictions = classifier(test_x).argmax(dim=1).numpy()
+    return float((predictions == test_labels).mean())
 
 
 def knn_top1(train: torch.Tensor, train_labels: np.ndarray, test: torch.Tensor, test_labels: np.ndarray,

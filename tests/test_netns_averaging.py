@@ -56,7 +56,7 @@ def test_skewed_links_make_the_best_split_beat_the_uniform_one():
 def test_client_mode_and_aux_peers_in_the_bound():
     hosts = [HostSpec("public", upload_mbit=100, download_mbit=100),
              HostSpec("home", upload_mbit=10, download_mbit=50, accepts_inbound=False),
-             HostSpec("aux", role="aux", upload_mbit=100, download_mbit=100)]
+             HostSpec("aux", role="auxiliary", upload_mbit=100, download_mbit=100)]
     bounds = benchmark.lower_bounds(hosts, 1e6)
     # the client-mode peer reduces nothing but must still upload its whole vector over 10 Mb/s
     assert bounds["bound_optimal_s"] == pytest.approx(1e6 * 8 / 10e6, rel=1e-6)

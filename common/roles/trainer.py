@@ -66,6 +66,7 @@ def run_trainer(config: RunConfig, config_path: str, peer_name: str, stop: StopF
             stop=stop,
         )
         summary = trainer.run()
+        backend.finalize()
         torch.save(task.model.state_dict(), output_dir / FINAL_STATE_FILE)
         (output_dir / SUMMARY_FILE).write_text(json.dumps(summary.to_json(), indent=2))
         return summary

@@ -1,0 +1,79 @@
+"""Atomic, verified checkpoints of the collaboration state (model, optimizer, scheduler, global step).
+
+A checkpoint is ``step_<N>.pt`` plus ``step_<N>.pt.sha256``, each written to a temporary file and renamed,
+the digest last: a checkpoint without a matching digest is partial or corrupt and is skipped in favour of
+the previous good one.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PATTERN = re.compile(r"step_(\d+)\.pt$")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+
+
+def save_checkpoint(directory: Path, step: int, state: dict, keep: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step_{step:07d}.pt"
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(state, temporary)
+    with temporary.open("rb+") as stream:
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+    _atomic_write_bytes(path.with_name(path.name + ".sha256"), _sha256(path).encode())
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+        old.with_name(old.name + ".sha256").unlink(missing_ok=True)
+    return path
+
+
+def list_checkpoints(directory: Path) -> List[Path]:
+    if not directory.is_dir():
+        return []
+    found = [path for path in directory.iterdir() if CHECKPOINT_PATTERN.search(path.name)]
+    return sorted(found, key=lambda path: int(CHECKPOINT_PATTERN.search(path.name).group(1)))
+
+
+def load_latest_checkpoint(directory: Path) -> Optional[dict]:
+    """The newest checkpoint whose digest matches and which loads; corrupt ones are reported and skipped."""
+    for path in reversed(list_checkpoints(directory)):
+        digest_path = path.with_name(path.name + ".sha256")
+        if not digest_path.exists():
+            logger.error(f"checkpoint {path.name} is partial (no digest file): using the previous one")
+            continue
+        if digest_path.read_text().strip() != _sha256(path):
+            logger.error(f"checkpoint {path.name} is corrupt (digest mismatch): using the previous one")
+            continue
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as error:  # unpickling errors come in many types
+            logger.error(f"checkpoint {path.name} cannot be read ({type(error).__name__}): using the previous one")
+            continue
+        logger.info(f"loaded checkpoint {path.name} (global step {state['step']})")
+        return state
+    return None

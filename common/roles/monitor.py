@@ -1,0 +1,145 @@
+"""Monitor role: the swarm's first peer. Aggregates trainers' metrics per global step, keeps the history
+(JSONL/CSV, wandb offline), and checkpoints the collaboration state it downloads from peers. On restart it
+resumes its history; from a checkpoint it serves the saved state, so a new swarm continues from there."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+from hivemind.optim.state_averager import TrainingStateAverager
+
+from common.checkpoints import load_latest_checkpoint, save_checkpoint
+from common.config import RunConfig, import_task_module
+from common.lifecycle import StopFlag
+from common.metrics import HistoryWriter, PeerMetrics, StepAggregate, StepAggregator, metrics_key
+from common.peer import start_peer_dht
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """wandb (offline by default) beside the JSONL/CSV history."""
+
+    def __init__(self, config: RunConfig, output_dir: Path):
+        self.run = None
+        if config.monitor.wandb_mode == "disabled":
+            return
+        import wandb
+
+        self.run = wandb.init(project=config.monitor.wandb_project, name=config.collaboration.run_id,
+                              mode=config.monitor.wandb_mode, dir=str(output_dir), resume="allow",
+                              id=config.collaboration.run_id)
+
+    def log(self, aggregate: StepAggregate) -> None:
+        if self.run is not None:
+            self.run.log({"loss": aggregate.loss, "peers": aggregate.peers, "samples": aggregate.samples,
+                          **aggregate.metrics}, step=aggregate.step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+class Monitor:
+    def __init__(self, config: RunConfig, config_path: str, stop: StopFlag):
+        self.config, self.stop = config, stop
+        self.output_dir = Path(config.training.output_dir)
+        self.checkpoint_dir = Path(config.monitor.checkpoint_dir or self.output_dir / "checkpoints")
+        self.history = HistoryWriter(self.output_dir)
+        self.aggregator = StepAggregator()
+        resumed = self.history.read()
+        if resumed:
+            self.aggregator.finished_up_to = resumed[-1]["step"]
+            logger.info(f"resuming history: {len(resumed)} steps already recorded (last step {resumed[-1]['step']})")
+        self.dht = start_peer_dht(config, self.output_dir, "scripts/train.py", config_path)
+        task_module = import_task_module(config.task_module)
+        torch.manual_seed(config.training.seed)
+        self.task = task_module.build_task(config, with_data=False)
+        self.state_averager: Optional[TrainingStateAverager] = None
+        self.last_checkpoint_step = -1
+        if config.monitor.checkpoint_every_steps > 0:
+            self.state_averager = TrainingStateAverager(
+                dht=self.dht, optimizer=self.task.make_optimizer, params=self.task.optimizer_param_groups(),
+                scheduler=self.task.make_scheduler, prefix=f"{config.collaboration.run_id}_state_averager",
+                min_matchmaking_time=config.collaboration.matchmaking_time, start=True,
+            )
+            self._restore_checkpoint()
+        self.metrics = MetricsLogger(config, self.output_dir)
+
+    def _restore_checkpoint(self) -> None:
+        state = load_latest_checkpoint(self.checkpoint_dir)
+        if state is None:
+            return
+        self.task.model.load_state_dict(state["model"])
+        self.state_averager.optimizer.load_state_dict(state["optimizer"])
+        if self.state_averager.scheduler is not None and state.get("scheduler") is not None:
+            self.state_averager.scheduler.load_state_dict(state["scheduler"])
+        self.state_averager.local_epoch = state["step"]
+        self.state_averager.state_sharing_priority = state["step"]
+        self.last_checkpoint_step = state["step"]
+        logger.info(f"serving checkpoint state of global step {state['step']} to joining trainers")
+
+    def poll(self) -> None:
+        entry = self.dht.get(metrics_key(self.config.collaboration.run_id), latest=True)
+        if entry is not None and isinstance(entry.value, dict):
+            for subkey_entry in entry.value.values():
+                try:
+                    peer = PeerMetrics.parse_obj(subkey_entry.value)
+                except Exception:  # the schema validator already refuses these; never trust a record blindly
+                    continue
+                if peer.role != "trainer":
+                    continue
+                for record in peer.recent:
+                    self.aggregator.add(peer.peer_name, record)
+
+    def publish_ready(self, flush: bool = False) -> None:
+        for aggregate in self.aggregator.pop_ready(flush=flush):
+            self.history.write(aggregate)
+            self.metrics.log(aggregate)
+            accuracy = "".join(f" | {name} {value:.3f}" for name, value in aggregate.metrics.items()
+                               if name.endswith("accuracy"))
+            logger.info(f"global step {aggregate.step}: loss {aggregate.loss:.4f} | {aggregate.peers} peers | "
+                        f"{aggregate.samples} samples{accuracy}")
+
+    def maybe_checkpoint(self) -> None:
+        every = self.config.monitor.checkpoint_every_steps
+        if self.state_averager is None or self.aggregator.max_seen_step < self.last_checkpoint_step + every:
+            return
+        self.state_averager.load_state_from_peers(timeout=self.config.collaboration.load_state_timeout)
+        step = self.state_averager.local_epoch
+        if step <= self.last_checkpoint_step:
+            return
+        scheduler = self.state_averager.scheduler
+        state = {"step": step, "model": self.task.model.state_dict(),
+                 "optimizer": self.state_averager.optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "run_id": self.config.collaboration.run_id}
+        path = save_checkpoint(self.checkpoint_dir, step, state, self.config.monitor.keep_checkpoints)
+        self.state_averager.state_sharing_priority = step
+        self.last_checkpoint_step = step
+        logger.info(f"saved checkpoint {path} at global step {step}")
+
+    def run(self) -> None:
+        logger.info("monitor running: aggregating metrics per global step")
+        try:
+            while not self.stop.wait(self.config.monitor.refresh_seconds):
+                self.poll()
+                self.publish_ready()
+                self.maybe_checkpoint()
+        finally:
+            self.poll()
+            self.publish_ready(flush=True)
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        self.metrics.finish()
+        if self.state_averager is not None:
+            self.state_averager.shutdown()
+        self.dht.shutdown()
+
+
+def run_monitor(config: RunConfig, config_path: str, stop: StopFlag) -> None:
+    torch.set_num_threads(config.training.num_threads)
+    Monitor(config, config_path, stop).run()

@@ -1,0 +1,86 @@
+"""Run a whole collaborative run on this machine: a monitor, N trainers and auxiliary peers, each its own process.
+
+    python scripts/local_swarm.py --config configs/albert/tiny.yaml --trainers 3 --aux 1 [key=value ...]
+
+Shows progress while it runs and ends with a report (also in <output>/summary.json and loss_curve.png).
+"""
+import _bootstrap  # noqa: F401  (repository root on sys.path)
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+from common.config import load_config
+from common.errors import UserError, exit_on_user_error
+from common.lifecycle import StopFlag, setup_logging
+from common.metrics import HistoryWriter
+from common.report import build_report, format_report
+from common.swarm import LocalSwarm
+
+logger = logging.getLogger("local_swarm")
+
+
+def parse_arguments():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--trainers", type=int, default=3)
+    parser.add_argument("--aux", type=int, default=1, help="auxiliary peers")
+    parser.add_argument("--output", default=None, help="run folder (default: training.output_dir from the config)")
+    parser.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
+    parser.add_argument("overrides", nargs="*")
+    return parser.parse_args()
+
+
+@exit_on_user_error
+def main() -> None:
+    stop = StopFlag().install()
+    args = parse_arguments()
+    setup_logging("swarm")
+    if args.trainers < 1 or args.aux < 0:
+        raise UserError("--trainers must be >= 1 and --aux >= 0")
+    config = load_config(args.config, args.overrides)  # fail fast, before any process starts
+    output = Path(args.output or config.training.output_dir)
+    overrides = [*args.overrides, f"collaboration.expected_peers={args.trainers}"]
+    trainer_names = [f"trainer{index}" for index in range(args.trainers)]
+    started = time.time()
+    max_steps = config.training.max_global_steps
+
+    def show_progress() -> None:
+        history = HistoryWriter(output / "monitor").read()
+        if not history:
+            logger.info(f"{time.time() - started:.0f} s: waiting for the first global step")
+            return
+        step, elapsed = history[-1]["step"] + 1, time.time() - started
+        eta = (max_steps - step) * elapsed / step
+        logger.info(f"global step {step}/{max_steps} | loss {history[-1]['loss']:.4f} | "
+                    f"{history[-1]['peers']} trainers | elapsed {elapsed:.0f} s | ETA {eta:.0f} s")
+
+    with LocalSwarm(args.config, output, overrides) as swarm:
+        swarm.start_first_peer("monitor", "monitor")
+        logger.info(f"monitor is up at {swarm.initial_peers[0]}")
+        for index in range(args.aux):
+            swarm.start("auxiliary", f"aux{index}")
+        for name in trainer_names:
+            swarm.start("trainer", name)
+        swarm.wait(trainer_names, timeout=args.timeout, on_tick=show_progress, tick_seconds=15,
+                   should_stop=stop.is_set)
+        finished = not any(swarm.peers[name].alive() for name in trainer_names)
+        if not finished:
+            logger.warning("stopping before the trainers finished (signal or --timeout)")
+        swarm.stop_many(trainer_names)
+        time.sleep(2 * config.monitor.refresh_seconds + 1)  # let the monitor record the last steps
+        swarm.stop_many([name for name in swarm.peers if name not in trainer_names])
+        failed = {name: peer.process.returncode for name, peer in swarm.peers.items() if peer.process.returncode}
+    report = build_report(output, trainer_names, "monitor", time.time() - started)
+    report["exit_codes"] = failed
+    (output / "summary.json").write_text(json.dumps(report, indent=2))
+    logger.info("run report (%s):\n%s", output / "summary.json", format_report(report))
+    logger.info(f"loss curve: {output / 'loss_curve.png'}")
+    if failed:
+        logger.warning(f"peers that exited with errors: {failed} (see <run>/<peer>/peer.log)")
+
+
+if __name__ == "__main__":
+    main()

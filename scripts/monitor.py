@@ -1,0 +1,19 @@
+"""Monitor peer (first peer of a run): ``python scripts/monitor.py --config configs/albert/tiny.yaml``."""
+import _bootstrap  # noqa: F401  (repository root on sys.path)
+
+from common.errors import exit_on_user_error
+from common.lifecycle import StopFlag, setup_logging
+from common.peer import parse_role_arguments
+from common.roles.monitor import run_monitor
+
+
+@exit_on_user_error
+def main() -> None:
+    stop = StopFlag().install()
+    args = parse_role_arguments("monitor")
+    setup_logging(args.name)
+    run_monitor(args.config, args.config_path, stop)
+
+
+if __name__ == "__main__":
+    main()

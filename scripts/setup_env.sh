@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: Python venv with the pinned requirements, and the offline data sets
+# (DATA.md) that come from Debian packages. Re-running it only does what changed.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV="$ROOT/.venv"
+PYTHON_BIN=${PYTHON:-$(command -v python3.11 || command -v python3)}
+
+log() { echo "[setup] $*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating virtual environment with $PYTHON_BIN"
+  "$PYTHON_BIN" -m venv "$VENV"
+fi
+
+wanted=$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)
+if [ "$(cat "$VENV/.requirements.sha256" 2>/dev/null)" != "$wanted" ]; then
+  log "installing pinned requirements (first time: a few minutes)"
+  "$VENV/bin/pip" install --disable-pip-version-check -q -r "$ROOT/requirements.txt" 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" >&2 || true
+  "$VENV/bin/python" -c "import hivemind, transformers, torch, timm, lightly" \
+    || { log "error: the Python requirements did not install"; exit 1; }
+  echo "$wanted" > "$VENV/.requirements.sha256"
+fi
+
+# Debian packages that carry real data: Fashion-MNIST (SwAV) and Bengali word lists (sahajBERT).
+debian_packages=(dataset-fashion-mnist hunspell-bn)
+missing=()
+for package in "${debian_packages[@]}"; do
+  dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing Debian data packages: ${missing[*]}"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null \
+      || log "warning: could not install ${missing[*]} (SwAV / sahajBERT data will be reported missing)"
+  else
+    log "warning: ${missing[*]} not installed and apt-get is not usable as this user (run: sudo apt-get install ${missing[*]})"
+  fi
+fi
+
+for hook in "$ROOT"/scripts/setup.d/*.sh; do
+  [ -e "$hook" ] && bash "$hook" "$VENV/bin/python"
+done
+log "environment ready: $VENV"
