@@ -54,10 +54,14 @@ class Prototypes(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.layer.weight
+        """The unit-norm prototypes the scores use."""
+        return F.normalize(self.layer.weight, dim=1, p=2)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        return self.layer(embeddings)
+        # Normalised on the fly as well as in place after each global step: hivemind.Optimizer steps offloaded
+        # copies of the parameters and writes them back, which undoes an in-place normalisation; scores from
+        # unit vectors stay in [-1, 1], so Sinkhorn's exp(score / 0.03) cannot overflow.
+        return F.linear(embeddings, self.weight)
 
 
 class SwavModel(nn.Module):

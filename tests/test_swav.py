@@ -181,15 +181,15 @@ def test_prototypes_frozen_then_trained_and_normalised():
     batch = task.dataset.batch(list(range(8)), 0)
     task.forward(model, batch).loss.backward()
     task.after_backward(model, 1)
-    assert torch.count_nonzero(model.prototypes.weight.grad) == 0
+    assert torch.count_nonzero(model.prototypes.layer.weight.grad) == 0
     model.zero_grad()
     task.forward(model, batch).loss.backward()
     task.after_backward(model, 2)
-    assert torch.count_nonzero(model.prototypes.weight.grad) > 0
+    assert torch.count_nonzero(model.prototypes.layer.weight.grad) > 0
     with torch.no_grad():
-        model.prototypes.weight.mul_(3.0)
+        model.prototypes.layer.weight.mul_(3.0)
     task.on_global_step(model, 3)
-    assert torch.allclose(model.prototypes.weight.norm(dim=1), torch.ones(model.prototypes.weight.shape[0]))
+    assert torch.allclose(model.prototypes.layer.weight.norm(dim=1), torch.ones(model.prototypes.layer.weight.shape[0]))
 
 
 def test_learning_rate_schedule():
