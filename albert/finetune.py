@@ -181,7 +181,8 @@ class FinetuneSettings:
 def build_classifier(kind: str, model_config: AlbertConfig, num_labels: int,
                      pretrained_state: Optional[dict]) -> torch.nn.Module:
     """A fresh head on the pretrained encoder (``albert.*`` weights of an AlbertForPreTraining checkpoint)."""
-    config = AlbertConfig(**{**model_config.to_dict(), "num_labels": num_labels, "classifier_dropout_prob": 0.1})
+    settings = {key: value for key, value in model_config.to_dict().items() if key not in ("id2label", "label2id")}
+    config = AlbertConfig(**{**settings, "num_labels": num_labels, "classifier_dropout_prob": 0.1})
     model = (AlbertForTokenClassification if kind == "token" else AlbertForSequenceClassification)(config)
     if pretrained_state is not None:
         encoder = {key: value for key, value in pretrained_state.items() if key.startswith("albert.")}
