@@ -16,6 +16,7 @@ from albert.data import SopDataset, build_examples, cache_key, load_or_build_exa
 from albert.tokenizer import load_or_train_tokenizer
 from common.config import RunConfig
 from common.errors import DataError
+from common.optimizer import prefill_optimizer_state
 from common.task import Batch, StepOutput, Task
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class TaskConfig:
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     intermediate_size: int = 1024
+    classifier_dropout_prob: float = 0.1  # albert-large-v2: dropout only in the sentence-order head
     # optimizer: LAMB (DESIGN.md section 2)
     learning_rate: float = 0.00176
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -69,6 +71,7 @@ class TaskConfig:
         _require(self.warmup_steps >= 0 and self.total_steps > self.warmup_steps,
                  "task.total_steps must exceed task.warmup_steps >= 0")
         _require(self.max_documents is None or self.max_documents > 0, "task.max_documents must be > 0")
+        _require(0 <= self.classifier_dropout_prob < 1, "task.classifier_dropout_prob must be in [0, 1)")
 
 
 def build_model(config: TaskConfig, vocab_size: int) -> AlbertForPreTraining:
@@ -77,6 +80,7 @@ def build_model(config: TaskConfig, vocab_size: int) -> AlbertForPreTraining:
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
         intermediate_size=config.intermediate_size, max_position_embeddings=max(512, config.max_seq_length),
         hidden_act="gelu_new", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=config.classifier_dropout_prob,
     )
     return AlbertForPreTraining(model_config)
 
@@ -101,9 +105,10 @@ class AlbertTask(Task):
         # timm's LAMB with always_adapt=True applies the trust ratio to every tensor like torch_optimizer.Lamb;
         # max_grad_norm clips the *averaged* gradient of the global batch (it runs inside the optimizer step).
         # Difference from the paper's torch_optimizer.Lamb: no clamp of the weight norm at 1e4 (README).
-        return Lamb(params, lr=self.config.learning_rate, betas=tuple(self.config.betas), eps=self.config.eps,
-                    weight_decay=self.config.weight_decay, max_grad_norm=self.config.max_grad_norm,
-                    bias_correction=True, always_adapt=True)
+        optimizer = Lamb(params, lr=self.config.learning_rate, betas=tuple(self.config.betas), eps=self.config.eps,
+                         weight_decay=self.config.weight_decay, max_grad_norm=self.config.max_grad_norm,
+                         bias_correction=True, always_adapt=True)
+        return prefill_optimizer_state(optimizer, ("exp_avg", "exp_avg_sq"))
 
     def make_scheduler(self, optimizer: torch.optim.Optimizer):
         return get_linear_schedule_with_warmup(optimizer, self.config.warmup_steps, self.config.total_steps)

@@ -10,8 +10,10 @@ mean gradient over every sample of the global batch, and step the scheduler once
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import List, Optional
 
 import hivemind
@@ -20,7 +22,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from common.config import CollaborationConfig
-from common.metrics import RECENT_STEPS_KEPT, PeerMetrics, StepRecord, metrics_key
+from common.metrics import RECENT_STEPS_KEPT, HistoryWriter, PeerMetrics, StepRecord, aggregate_step, metrics_key
 from common.task import Task
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,21 @@ class TrainingBackend(abc.ABC):
         """Account for one backpropagated micro-batch; return the finished global step's index, if any."""
 
     @abc.abstractmethod
-    def zero_grad(self) -> None: ...
+    def zero_grad(self) -> None:
+        """Called after every micro-batch: clear gradients this backend does not keep for its next step."""
+
+    @property
+    def worker_label(self) -> Optional[str]:
+        """Distinguishes the processes of one multi-process baseline run (DDP workers); None otherwise."""
+        return None
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module to run forward passes through (DDP wraps it)."""
+        return model
+
+    def micro_step_context(self):
+        """Context around one micro-batch's forward and backward (DDP skips all-reduces in it)."""
+        return contextlib.nullcontext()
 
     def publish(self, records: List[StepRecord]) -> None:
         """Share this peer's recent step records (collaborative backends only)."""
@@ -51,8 +67,9 @@ class TrainingBackend(abc.ABC):
 class SingleProcessBackend(TrainingBackend):
     """Plain PyTorch: accumulate sample-weighted gradients until ``target_batch_size``, then step."""
 
-    def __init__(self, task: Task, target_batch_size: int):
+    def __init__(self, task: Task, target_batch_size: int, history_dir: Optional[Path] = None):
         self.task, self.target_batch_size = task, target_batch_size
+        self.history = HistoryWriter(history_dir) if history_dir is not None else None
         self.params = [param for param in task.model.parameters() if param.requires_grad]
         self.optimizer = task.make_optimizer(task.optimizer_param_groups())
         self.scheduler = task.make_scheduler(self.optimizer)
@@ -87,6 +104,10 @@ class SingleProcessBackend(TrainingBackend):
     def zero_grad(self) -> None:
         for param in self.params:
             param.grad = None
+
+    def publish(self, records: List[StepRecord]) -> None:
+        if self.history is not None and records:
+            self.history.write(aggregate_step(records[-1].step, {"single": records[-1]}))
 
 
 class CollaborativeBackend(TrainingBackend):

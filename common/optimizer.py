@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
+
+import torch
 
 import hivemind
 from hivemind.compression import (
@@ -16,6 +18,22 @@ from hivemind.compression import (
 
 from common.config import CollaborationConfig, Compression, Semantics
 from common.task import Task
+
+
+def prefill_optimizer_state(optimizer: torch.optim.Optimizer, state_names: Sequence[str]) -> torch.optim.Optimizer:
+    """Create the optimizer's per-parameter state as zeros, exactly as its first step would.
+
+    hivemind runs a virtual optimizer step with zero gradients (at the base learning rate, before the
+    scheduler exists) to create missing state; with weight decay that step shrinks the weights and it
+    advances the step counter, so collaborative training would no longer equal plain training. A task's
+    ``make_optimizer`` calls this so that no backend ever takes such a step.
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            for name in state_names:
+                state.setdefault(name, torch.zeros_like(param, memory_format=torch.preserve_format))
+    return optimizer
 
 
 def make_compression(kind: Compression) -> CompressionBase:

@@ -106,7 +106,8 @@ class Trainer:
         self.task.on_global_step(self.task.model, finished_step + 1)
 
     def run(self) -> TrainingSummary:
-        model = self.task.model.to(self.device)
+        self.task.model.to(self.device)
+        model = self.backend.prepare_model(self.task.model)
         model.train()
         started = time.time()
         compute_seconds, samples_total, skipped = 0.0, 0, 0
@@ -130,17 +131,20 @@ class Trainer:
             tick = time.perf_counter()
             sample_ids = batch.get(SAMPLE_IDS)
             batch = {name: value.to(self.device) for name, value in batch.items()}
-            with self._autocast():
-                output = self.task.forward(model, batch)
-            loss_value = float(output.loss.detach())
-            if self.skip_nonfinite and not math.isfinite(loss_value):
+            with self.backend.micro_step_context():
+                with self._autocast():
+                    output = self.task.forward(model, batch)
+                loss_value = float(output.loss.detach())
+                finite = math.isfinite(loss_value) or not self.skip_nonfinite
+                if finite:
+                    output.loss.backward()
+            if not finite:
                 skipped += 1
                 logger.warning(f"non-finite loss ({loss_value}) at step {self.backend.global_step}: micro-batch skipped")
                 self.backend.zero_grad()
                 continue
-            output.loss.backward()
-            self.task.after_backward(model, self.backend.global_step)
-            if self.skip_nonfinite and not _all_finite(model.parameters()):
+            self.task.after_backward(self.task.model, self.backend.global_step)
+            if self.skip_nonfinite and not _all_finite(self.task.model.parameters()):
                 skipped += 1
                 logger.warning(f"non-finite gradients at step {self.backend.global_step}: micro-batch skipped")
                 self.backend.zero_grad()

@@ -26,7 +26,7 @@ SUMMARY_FILE = "summary.json"
 def build_backend(config: RunConfig, task, peer_name: str, output_dir: Path, config_path: str,
                   stop: StopFlag, authorizer: Optional[AuthorizerBase] = None) -> TrainingBackend:
     if config.training.backend == Backend.single:
-        return SingleProcessBackend(task, config.collaboration.target_batch_size)
+        return SingleProcessBackend(task, config.collaboration.target_batch_size, history_dir=output_dir)
     if config.training.backend == Backend.ddp:
         from common.ddp import DDPBackend  # imported lazily: only the baseline needs torch.distributed
 

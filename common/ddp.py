@@ -1,0 +1,98 @@
+"""The HPC baseline backend: torch DDP through accelerate (gloo on CPU, nccl on GPU).
+
+Launch one process per worker with ``torchrun --nproc_per_node=N scripts/train.py ... training.backend=ddp``
+(or ``accelerate launch``). Each worker accumulates ``k`` equal micro-batches; DDP all-reduces (averages) the
+accumulated gradients on the k-th, so one optimizer step sees the mean gradient of
+``target_batch_size = local_batch_size x k x workers`` samples -- the collaborative run's global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+
+from common.backends import TrainingBackend
+from common.config import RunConfig
+from common.errors import ConfigError
+from common.metrics import HistoryWriter, StepRecord, aggregate_step
+from common.task import Task
+
+logger = logging.getLogger(__name__)
+
+
+class DDPBackend(TrainingBackend):
+    def __init__(self, task: Task, config: RunConfig):
+        precision = config.training.precision if torch.cuda.is_available() else "no"
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                                       mixed_precision={"fp32": "no", "fp16": "fp16", "bf16": "bf16"}.get(precision, "no"))
+        self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
+        per_step = config.training.local_batch_size * self.world_size
+        if config.collaboration.target_batch_size % per_step:
+            raise ConfigError(
+                f"collaboration.target_batch_size ({config.collaboration.target_batch_size}) must be a multiple of "
+                f"training.local_batch_size x workers ({config.training.local_batch_size} x {self.world_size})"
+            )
+        self.accumulation_steps = config.collaboration.target_batch_size // per_step
+        self.task = task
+        self.model = self.accelerator.prepare_model(task.model)
+        self.optimizer = task.make_optimizer(task.optimizer_param_groups())
+        self.scheduler = task.make_scheduler(self.optimizer)
+        self.micro_batches_done = 0
+        self._global_step = 0
+        self.history = HistoryWriter(Path(config.training.output_dir)) if self.rank == 0 else None
+        logger.info(f"DDP worker {self.rank}/{self.world_size}: {self.accumulation_steps} micro-batches of "
+                    f"{config.training.local_batch_size} per step, global batch {config.collaboration.target_batch_size}")
+
+    @property
+    def global_step(self) -> int:
+        return self._global_step
+
+    @property
+    def worker_label(self) -> Optional[str]:
+        return f"worker{self.rank}"
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.model
+
+    def micro_step_context(self):
+        """Skip the all-reduce on all but the last micro-batch of a global step (gradients add up in .grad)."""
+        if self.micro_batches_done + 1 < self.accumulation_steps:
+            return self.accelerator.no_sync(self.model)
+        return contextlib.nullcontext()
+
+    def step(self, batch_size: int) -> Optional[int]:
+        self.micro_batches_done += 1
+        if self.micro_batches_done < self.accumulation_steps:
+            return None
+        with torch.no_grad():
+            for param in self.task.model.parameters():
+                if param.grad is not None:
+                    param.grad.div_(self.accumulation_steps)  # DDP averaged over workers; now over micro-batches
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro_batches_done = 0
+        finished = self._global_step
+        self._global_step += 1
+        return finished
+
+    def zero_grad(self) -> None:
+        """Gradients accumulate in .grad between all-reduces; they are cleared after each optimizer step."""
+
+    def publish(self, records: List[StepRecord]) -> None:
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, records[-1].dict() if records else None)
+        if self.history is not None and all(gathered):
+            step_records = {f"worker{rank}": StepRecord.parse_obj(record) for rank, record in enumerate(gathered)}
+            self.history.write(aggregate_step(step_records["worker0"].step, step_records))
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
