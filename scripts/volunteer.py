@@ -39,12 +39,12 @@ def main() -> None:
                         help="accept inbound connections (only if this machine is reachable; default: client mode)")
     own, rest = parser.parse_known_args()
     username, password = credentials()
+    setup_logging(username)
+    authorizer = AllowlistTokenAuthorizer(own.auth_server, username, password)
+    authorizer.fetch_token()  # refusals surface here, before the model, data or DHT are built
     args = parse_role_arguments("volunteer", rest)
     name = args.name if args.name != "volunteer" else username
-    setup_logging(name)
     args.config.network.client_mode = not own.server_mode
-    authorizer = AllowlistTokenAuthorizer(own.auth_server, username, password)
-    authorizer.fetch_token()  # refusals surface here, before any DHT starts
     run_trainer(args.config, args.config_path, name, stop, authorizer)
 
 
