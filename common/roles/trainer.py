@@ -56,6 +56,8 @@ def run_trainer(config: RunConfig, config_path: str, peer_name: str, stop: StopF
     torch.manual_seed(config.training.seed)  # every peer starts from the same initial parameters
     task = task_module.build_task(config)
     backend = build_backend(config, task, peer_name, output_dir, config_path, stop, authorizer)
+    if backend.worker_label is not None:  # one folder and data stream per DDP worker
+        peer_name, output_dir = f"{peer_name}-{backend.worker_label}", output_dir / backend.worker_label
     try:
         trainer = Trainer(
             task, backend, peer_name=peer_name, stream_seed=stable_seed(config.training.seed, peer_name),
