@@ -17,6 +17,7 @@ from timm.optim import Lars
 
 from common.config import RunConfig
 from common.errors import ConfigError, DataError
+from common.optimizer import prefill_optimizer_state
 from common.task import Batch, StepOutput, Task
 from swav.data import FASHION_MNIST, FASHION_MNIST_DIR, MultiCropDataset, MultiCropSpec, crop_key, open_images
 from swav.model import RESNET50, SMALL_RESNET, SwavModel
@@ -161,9 +162,12 @@ class SwavTask(Task):
         # timm's Lars with trust_clip=False and always_adapt=True is apex's LARC(clip=False) around SGD, which
         # the SwAV code uses: weight decay is added to the gradient, then every tensor's update is scaled by
         # trust * |w| / (|g| + wd |w|) before SGD momentum.
-        return Lars(params, lr=self.config.base_lr, momentum=self.config.momentum,
-                    weight_decay=self.config.weight_decay, trust_coeff=self.config.lars_trust,
-                    trust_clip=False, always_adapt=True)
+        optimizer = Lars(params, lr=self.config.base_lr, momentum=self.config.momentum,
+                         weight_decay=self.config.weight_decay, trust_coeff=self.config.lars_trust,
+                         trust_clip=False, always_adapt=True)
+        # A zero momentum buffer gives exactly the first step's clone(grad); with it present, hivemind skips its
+        # virtual zero-gradient step, which here would move weights by lr x trust / wd x wd x w = 2.4e-3 w.
+        return prefill_optimizer_state(optimizer, ("momentum_buffer",))
 
     def make_scheduler(self, optimizer: torch.optim.Optimizer):
         base_lr = self.config.base_lr
