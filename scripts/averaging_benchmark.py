@@ -331,14 +331,14 @@ def plot(rows: List[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['setup']}\n{r['params'] / 1e6:g}M {r['compression']}\n{r['split']}, aux {r['aux']}" for r in rows]
+    labels = [f"{r['setup']} {r['params'] / 1e6:g}M {r['compression']} {r['split']} aux {r['aux']}" for r in rows]
     positions = range(len(rows))
-    figure, axis = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4.5))
+    figure, axis = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 5.5))
     axis.bar([p - 0.2 for p in positions], [r["round_s_median"] for r in rows], width=0.4, label="measured (median)")
     axis.bar([p + 0.2 for p in positions], [r["bound_optimal_s"] for r in rows], width=0.4,
              label="bandwidth lower bound (best split)")
     axis.set_xticks(list(positions))
-    axis.set_xticklabels(labels, fontsize=7)
+    axis.set_xticklabels(labels, fontsize=7, rotation=35, ha="right")
     axis.set_ylabel("seconds per all-reduce round")
     axis.set_title("hivemind all-reduce over emulated links (2-core CPU container)")
     axis.legend()
