@@ -155,7 +155,7 @@ def link_bytes_per_peer(shares: Sequence[float], holds_data: Sequence[bool], vec
 
 def round_time(shares, holds_data, links_mbit, vector_bytes) -> float:
     loads = link_bytes_per_peer(shares, holds_data, vector_bytes)
-    return max(load * 8 / (link * 1e6) for load, link in zip(loads, links_mbit) if link is not None)
+    return max((load * 8 / (link * 1e6) for load, link in zip(loads, links_mbit) if link is not None), default=0.0)
 
 
 def lower_bounds(hosts: Sequence[HostSpec], vector_bytes: float) -> Dict[str, float]:
@@ -181,6 +181,8 @@ def lower_bounds(hosts: Sequence[HostSpec], vector_bytes: float) -> Dict[str, fl
         row[n] = -1.0
         a_ub.append(row)
         b_ub.append(-scale * int(own))
+    if not a_ub:  # no capped link: only CPU limits the round
+        return {"bound_uniform_s": 0.0, "bound_optimal_s": 0.0}
     bounds = [(0, 1 if flag else 0) for flag in can_reduce] + [(0, None)]
     solution = scipy.optimize.linprog(c=[0.0] * n + [1.0], A_ub=np.array(a_ub), b_ub=np.array(b_ub),
                                       A_eq=np.array([[1.0] * n + [0.0]]), b_eq=[1.0], bounds=bounds, method="highs")
@@ -305,7 +307,8 @@ def summarise(setup: NetworkSetup, hosts: Sequence[HostSpec], condition: Conditi
         "rounds_ok": len(times), "rounds": rounds, "round_s_median": round(median, 3),
         "round_s_min": round(min(times), 3) if times else float("nan"),
         "bound_optimal_s": round(bounds["bound_optimal_s"], 3), "bound_uniform_s": round(bounds["bound_uniform_s"], 3),
-        "ratio_to_optimal_bound": round(median / bounds["bound_optimal_s"], 3) if times else float("nan"),
+        "ratio_to_optimal_bound": round(median / bounds["bound_optimal_s"], 3)
+        if times and bounds["bound_optimal_s"] > 0 else float("nan"),
         "max_relative_l2_error": f"{max(errors):.2e}" if errors else "",
     }
 
