@@ -61,6 +61,8 @@ def load_hub_or_local_text(dataset: str, dataset_config: Optional[str], split: s
     import datasets  # heavy import, only for full-scale paths
 
     path = Path(dataset)
+    if dataset.startswith((".", "/", "~")) and not path.exists():
+        raise DataError(f"data path not found: {dataset}")
     try:
         if path.exists():
             files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())

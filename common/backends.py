@@ -10,6 +10,7 @@ mean gradient over every sample of the global batch, and step the scheduler once
 from __future__ import annotations
 
 import abc
+import hashlib
 import contextlib
 import logging
 import time
@@ -22,6 +23,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from common.config import CollaborationConfig
+from common.errors import PeerError, UserError
 from common.metrics import RECENT_STEPS_KEPT, HistoryWriter, PeerMetrics, StepRecord, aggregate_step, metrics_key
 from common.task import Task
 
@@ -60,6 +62,11 @@ class TrainingBackend(abc.ABC):
 
     def finalize(self) -> None:
         """Make the model hold the run's final parameters (collaborative: apply the last state averaging)."""
+
+    def recover_from_nonfinite_parameters(self) -> None:
+        """Parameters became NaN/Inf after a step. Without peers to restore from, stop with a clear error."""
+        raise UserError(f"parameters became non-finite at global step {self.global_step}: lower the learning "
+                        f"rate or enable gradient clipping; the last checkpoint is unaffected")
 
     def shutdown(self) -> None: ...
 
@@ -114,8 +121,9 @@ class CollaborativeBackend(TrainingBackend):
     """A hivemind peer: ``hivemind.Optimizer`` decides when the swarm has the target batch."""
 
     def __init__(self, dht: hivemind.DHT, optimizer: hivemind.Optimizer, collab: CollaborationConfig,
-                 peer_name: str, role: str, metrics_expiration: float):
+                 peer_name: str, role: str, metrics_expiration: float, model_fingerprint: str):
         self.dht, self.optimizer, self.collab = dht, optimizer, collab
+        self.model_fingerprint = model_fingerprint
         self.peer_name, self.role, self.metrics_expiration = peer_name, role, metrics_expiration
         self.public_key = RSASignatureValidator().local_public_key  # the process-wide key signs our records
 
@@ -132,7 +140,8 @@ class CollaborativeBackend(TrainingBackend):
         self.optimizer.zero_grad()
 
     def publish(self, records: List[StepRecord]) -> None:
-        value = PeerMetrics(peer_name=self.peer_name, role=self.role, recent=records[-RECENT_STEPS_KEPT:])
+        value = PeerMetrics(peer_name=self.peer_name, role=self.role, recent=records[-RECENT_STEPS_KEPT:],
+                            model_fingerprint=self.model_fingerprint)
         self.dht.store(
             key=metrics_key(self.collab.run_id), subkey=self.public_key, value=value.dict(),
             expiration_time=get_dht_time() + self.metrics_expiration, return_future=True,
@@ -163,6 +172,10 @@ class CollaborativeBackend(TrainingBackend):
         if self.optimizer.local_epoch > 0:
             logger.info(f"loaded the swarm's state: continuing from global step {self.optimizer.local_epoch}")
 
+    def recover_from_nonfinite_parameters(self) -> None:
+        """Discard the broken local state and download the swarm's (peers' state is checked the same way)."""
+        self.optimizer.load_state_from_peers()
+
     def finalize(self) -> None:
         # Wait for the last step's background parameter averaging and copy its result into the model.
         self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
@@ -170,6 +183,28 @@ class CollaborativeBackend(TrainingBackend):
     def shutdown(self) -> None:
         self.optimizer.shutdown()
         self.dht.shutdown()
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Names, shapes and dtypes of the trained parameters: what hivemind silently assumes peers share."""
+    layout = [(name, tuple(param.shape), str(param.dtype)) for name, param in model.named_parameters()]
+    return hashlib.blake2b(repr(layout).encode(), digest_size=8).hexdigest()
+
+
+def require_same_model(dht: hivemind.DHT, run_id: str, fingerprint: str) -> None:
+    """Refuse to join a run whose trainers train a differently shaped model (never average mismatched state)."""
+    entry = dht.get(metrics_key(run_id), latest=True)
+    if entry is None or not isinstance(entry.value, dict):
+        return
+    for record in entry.value.values():
+        try:
+            peer = PeerMetrics.parse_obj(record.value)
+        except Exception:  # malformed records are refused by validators; skip anything odd
+            continue
+        if peer.model_fingerprint and peer.model_fingerprint != fingerprint:
+            raise PeerError(f"run {run_id!r} trains a different model (peer {peer.peer_name} has model fingerprint "
+                            f"{peer.model_fingerprint}, this peer {fingerprint}): use the run's task settings "
+                            f"or another collaboration.run_id")
 
 
 def count_trainers(dht: hivemind.DHT, run_id: str) -> int:

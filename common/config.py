@@ -102,6 +102,7 @@ class TrainingConfig:
     output_dir: str = "outputs/run"
     record_sample_ids: bool = False  # log which samples went into each global step (equivalence checks)
     skip_nonfinite: bool = True  # drop a micro-batch whose loss or gradients are not finite
+    inject_nonfinite_every: int = 0  # fault injection for tests: every N-th micro-batch's loss becomes NaN
 
     def __post_init__(self) -> None:
         _require(self.local_batch_size > 0, "training.local_batch_size must be > 0")
@@ -113,6 +114,7 @@ class TrainingConfig:
         _require(self.precision in ("fp32", "fp16", "bf16"),
                  f"training.precision must be fp32, fp16 or bf16 (got {self.precision!r})")
         _require(self.log_every_seconds > 0, "training.log_every_seconds must be > 0")
+        _require(self.inject_nonfinite_every >= 0, "training.inject_nonfinite_every must be >= 0")
 
 
 @dataclass

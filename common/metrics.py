@@ -35,6 +35,7 @@ class PeerMetrics(pydantic.BaseModel):
     peer_name: pydantic.StrictStr
     role: pydantic.StrictStr
     recent: List[StepRecord]
+    model_fingerprint: pydantic.StrictStr = ""  # parameter names and shapes: peers of one run must agree
 
 
 class MetricsSchema(pydantic.BaseModel):

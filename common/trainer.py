@@ -78,12 +78,14 @@ class Trainer:
     def __init__(self, task: Task, backend: TrainingBackend, *, peer_name: str, stream_seed: int,
                  max_global_steps: int, max_wall_seconds: Optional[float], output_dir: Path,
                  device: torch.device, precision: str = "fp32", log_every_seconds: float = 10.0,
-                 record_sample_ids: bool = False, skip_nonfinite: bool = True, stop: Optional[StopFlag] = None):
+                 record_sample_ids: bool = False, skip_nonfinite: bool = True, inject_nonfinite_every: int = 0,
+                 stop: Optional[StopFlag] = None):
         self.task, self.backend, self.peer_name = task, backend, peer_name
         self.stream_seed, self.max_global_steps, self.max_wall_seconds = stream_seed, max_global_steps, max_wall_seconds
         self.output_dir, self.device, self.precision = output_dir, device, precision
         self.log_every_seconds, self.record_sample_ids = log_every_seconds, record_sample_ids
         self.skip_nonfinite, self.stop = skip_nonfinite, stop or StopFlag()
+        self.inject_nonfinite_every = inject_nonfinite_every
         self.records: List[StepRecord] = []
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.steps_log = self.output_dir / "steps.jsonl"
@@ -115,6 +117,7 @@ class Trainer:
         stopped_by = "max_global_steps"
         accumulator = StepAccumulator(step=self.backend.global_step)
         batches = self.task.batches(self.stream_seed)
+        micro_batches_seen = 0
         while True:
             if self.backend.global_step >= self.max_global_steps:
                 break
@@ -131,9 +134,12 @@ class Trainer:
             tick = time.perf_counter()
             sample_ids = batch.get(SAMPLE_IDS)
             batch = {name: value.to(self.device) for name, value in batch.items()}
+            micro_batches_seen += 1
             with self.backend.micro_step_context():
                 with self._autocast():
                     output = self.task.forward(model, batch)
+                if self.inject_nonfinite_every and micro_batches_seen % self.inject_nonfinite_every == 0:
+                    output.loss = output.loss * float("nan")  # fault injection (tests only)
                 loss_value = float(output.loss.detach())
                 finite = math.isfinite(loss_value) or not self.skip_nonfinite
                 if finite:
@@ -160,6 +166,9 @@ class Trainer:
             if finished is not None:
                 self._finish_step(accumulator, finished)
                 accumulator = StepAccumulator(step=self.backend.global_step)
+                if not all(bool(torch.isfinite(param).all()) for param in self.task.model.parameters()):
+                    logger.error(f"parameters are not finite after global step {finished}: recovering")
+                    self.backend.recover_from_nonfinite_parameters()
 
             now = time.time()
             if now - last_log >= self.log_every_seconds:

@@ -9,7 +9,13 @@ from typing import Optional
 import torch
 from hivemind.utils.auth import AuthorizerBase
 
-from common.backends import CollaborativeBackend, SingleProcessBackend, TrainingBackend
+from common.backends import (
+    CollaborativeBackend,
+    SingleProcessBackend,
+    TrainingBackend,
+    model_fingerprint,
+    require_same_model,
+)
 from common.config import Backend, RunConfig, import_task_module
 from common.lifecycle import StopFlag
 from common.optimizer import make_collaborative_optimizer
@@ -32,13 +38,15 @@ def build_backend(config: RunConfig, task, peer_name: str, output_dir: Path, con
 
         return DDPBackend(task, config)
     dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer)
+    fingerprint = model_fingerprint(task.model)
     try:
+        require_same_model(dht, config.collaboration.run_id, fingerprint)
         optimizer = make_collaborative_optimizer(dht, task, config.collaboration, config.training.local_batch_size)
     except BaseException:
         dht.shutdown()
         raise
     backend = CollaborativeBackend(dht, optimizer, config.collaboration, peer_name, "trainer",
-                                   config.monitor.metrics_expiration)
+                                   config.monitor.metrics_expiration, fingerprint)
     try:
         backend.catch_up()
         backend.wait_for_swarm(stop.is_set)
@@ -65,7 +73,7 @@ def run_trainer(config: RunConfig, config_path: str, peer_name: str, stop: StopF
             output_dir=output_dir, device=device_for(config), precision=config.training.precision,
             log_every_seconds=config.training.log_every_seconds,
             record_sample_ids=config.training.record_sample_ids, skip_nonfinite=config.training.skip_nonfinite,
-            stop=stop,
+            inject_nonfinite_every=config.training.inject_nonfinite_every, stop=stop,
         )
         summary = trainer.run()
         backend.finalize()
