@@ -106,3 +106,8 @@ def test_client_mode_peer_behind_no_inbound_host_contributes(tmp_path):
     assert row["client_mode_peers"] == "1" and row["peers"] == "3"
     assert row["rounds_ok"] == "2"
     assert float(row["max_relative_l2_error"]) < 1e-3
+
+
+def test_uncapped_hosts_have_no_bandwidth_bound():
+    bounds = benchmark.lower_bounds([HostSpec("a"), HostSpec("b")], 1e6)
+    assert bounds == {"bound_uniform_s": 0.0, "bound_optimal_s": 0.0}
