@@ -7,6 +7,7 @@ Shows progress while it runs and ends with a report (also in <output>/summary.js
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
 import argparse
+import contextlib
 import json
 import logging
 import time
@@ -29,6 +30,9 @@ def parse_arguments():
     parser.add_argument("--aux", type=int, default=1, help="auxiliary peers")
     parser.add_argument("--output", default=None, help="run folder (default: training.output_dir from the config)")
     parser.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
+    parser.add_argument("--network-setup", default=None,
+                        help="configs/network/*.yaml: run every peer in its own network namespace with that host's "
+                             "rate limits (needs root); --trainers/--aux then come from the setup's hosts")
     parser.add_argument("overrides", nargs="*")
     return parser.parse_args()
 
@@ -42,13 +46,28 @@ def main() -> None:
         raise UserError("--trainers must be >= 1 and --aux >= 0")
     config = load_config(args.config, args.overrides)  # fail fast, before any process starts
     output = Path(args.output or config.training.output_dir)
-    overrides = [*args.overrides, f"collaboration.expected_peers={args.trainers}"]
-    trainer_names = [f"trainer{index}" for index in range(args.trainers)]
+    network = None
+    if args.network_setup:
+        from common.netns import EmulatedNetwork, load_network_setup
+
+        setup = load_network_setup(args.network_setup)
+        roles = {host.name: host.role for host in setup.hosts}
+        monitor_name = next((name for name, role in roles.items() if role == "monitor"), None)
+        if monitor_name is None:
+            raise UserError(f"network setup {args.network_setup} has no host with role: monitor")
+        trainer_names = [name for name, role in roles.items() if role == "trainer"]
+        aux_names = [name for name, role in roles.items() if role == "auxiliary"]
+        network = EmulatedNetwork(setup.hosts)
+    else:
+        monitor_name = "monitor"
+        trainer_names = [f"trainer{index}" for index in range(args.trainers)]
+        aux_names = [f"aux{index}" for index in range(args.aux)]
+    overrides = [*args.overrides, f"collaboration.expected_peers={len(trainer_names)}"]
     started = time.time()
     max_steps = config.training.max_global_steps
 
     def show_progress() -> None:
-        history = HistoryWriter(output / "monitor").read()
+        history = HistoryWriter(output / monitor_name).read()
         if not history:
             logger.info(f"{time.time() - started:.0f} s: waiting for the first global step")
             return
@@ -57,11 +76,18 @@ def main() -> None:
         logger.info(f"global step {step}/{max_steps} | loss {history[-1]['loss']:.4f} | "
                     f"{history[-1]['peers']} trainers | elapsed {elapsed:.0f} s | ETA {eta:.0f} s")
 
-    with LocalSwarm(args.config, output, overrides) as swarm:
-        swarm.start_first_peer("monitor", "monitor")
+    with contextlib.ExitStack() as stack:
+        if network is not None:
+            stack.enter_context(network)
+            logger.info("emulated hosts: " + "; ".join(f"{name}: {link}" for name, link in network.describe().items()))
+        swarm = stack.enter_context(LocalSwarm(
+            args.config, output, overrides,
+            command_prefix=network.command_prefix_for if network is not None else None,
+            host_overrides=network.peer_overrides if network is not None else None))
+        swarm.start_first_peer("monitor", monitor_name)
         logger.info(f"monitor is up at {swarm.initial_peers[0]}")
-        for index in range(args.aux):
-            swarm.start("auxiliary", f"aux{index}")
+        for name in aux_names:
+            swarm.start("auxiliary", name)
         for name in trainer_names:
             swarm.start("trainer", name)
         swarm.wait(trainer_names, timeout=args.timeout, on_tick=show_progress, tick_seconds=15,
@@ -73,7 +99,7 @@ def main() -> None:
         time.sleep(2 * config.monitor.refresh_seconds + 1)  # let the monitor record the last steps
         swarm.stop_many([name for name in swarm.peers if name not in trainer_names])
         failed = {name: peer.process.returncode for name, peer in swarm.peers.items() if peer.process.returncode}
-    report = build_report(output, trainer_names, "monitor", time.time() - started)
+    report = build_report(output, trainer_names, monitor_name, time.time() - started)
     report["exit_codes"] = failed
     (output / "summary.json").write_text(json.dumps(report, indent=2))
     logger.info("run report (%s):\n%s", output / "summary.json", format_report(report))

@@ -24,7 +24,7 @@ if [ "$(cat "$VENV/.requirements.sha256" 2>/dev/null)" != "$wanted" ]; then
 fi
 
 # Debian packages that carry real data: Fashion-MNIST (SwAV) and Bengali word lists (sahajBERT).
-debian_packages=(dataset-fashion-mnist hunspell-bn)
+debian_packages=(dataset-fashion-mnist hunspell-bn nftables iproute2)
 missing=()
 for package in "${debian_packages[@]}"; do
   dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")

@@ -3,6 +3,7 @@
 resumes its history; from a checkpoint it serves the saved state, so a new swarm continues from there."""
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Optional
@@ -42,6 +43,30 @@ class MetricsLogger:
             self.run.finish()
 
 
+class Leaderboard:
+    """Per contributor: samples, global steps participated in, and time online (first to last step seen),
+    like sahajBERT's model card. Rebuilt from the history on restart, so it survives the monitor."""
+
+    def __init__(self, path: Path, history: list):
+        self.path, self.rows = path, {}
+        for entry in history:
+            self.add(entry)
+
+    def add(self, entry: dict) -> None:
+        for peer, samples in entry["contributions"].items():
+            row = self.rows.setdefault(peer, {"peer": peer, "samples": 0, "steps": 0, "first_seen": entry["time"],
+                                              "last_seen": entry["time"]})
+            row["samples"] += samples
+            row["steps"] += 1
+            row["last_seen"] = entry["time"]
+
+    def write(self) -> None:
+        ranked = sorted(self.rows.values(), key=lambda row: -row["samples"])
+        for row in ranked:
+            row["hours_online"] = (row["last_seen"] - row["first_seen"]) / 3600
+        self.path.write_text(json.dumps(ranked, indent=2))
+
+
 class Monitor:
     def __init__(self, config: RunConfig, config_path: str, stop: StopFlag):
         self.config, self.stop = config, stop
@@ -53,6 +78,7 @@ class Monitor:
         if resumed:
             self.aggregator.finished_up_to = resumed[-1]["step"]
             logger.info(f"resuming history: {len(resumed)} steps already recorded (last step {resumed[-1]['step']})")
+        self.leaderboard = Leaderboard(self.output_dir / "leaderboard.json", resumed)
         self.dht = start_peer_dht(config, self.output_dir, "scripts/train.py", config_path)
         task_module = import_task_module(config.task_module)
         torch.manual_seed(config.training.seed)
@@ -95,13 +121,17 @@ class Monitor:
                     self.aggregator.add(peer.peer_name, record)
 
     def publish_ready(self, flush: bool = False) -> None:
-        for aggregate in self.aggregator.pop_ready(flush=flush):
+        ready = self.aggregator.pop_ready(flush=flush)
+        for aggregate in ready:
             self.history.write(aggregate)
+            self.leaderboard.add(aggregate.to_json())
             self.metrics.log(aggregate)
             accuracy = "".join(f" | {name} {value:.3f}" for name, value in aggregate.metrics.items()
                                if name.endswith("accuracy"))
             logger.info(f"global step {aggregate.step}: loss {aggregate.loss:.4f} | {aggregate.peers} peers | "
                         f"{aggregate.samples} samples{accuracy}")
+        if ready:
+            self.leaderboard.write()
 
     def maybe_checkpoint(self) -> None:
         every = self.config.monitor.checkpoint_every_steps

@@ -1,0 +1,42 @@
+"""The tiny ALBERT swarm across emulated volunteer hosts (network namespaces, tc rate limits, a firewalled
+client-mode trainer): it trains, the client-mode peer contributes, and peers stay in sync."""
+import json
+
+import pytest
+
+from common.errors import UserError
+from tests.conftest import ROOT, run_script
+
+
+def namespaces_available() -> str:
+    from common.netns import check_available
+
+    try:
+        check_available(need_firewall=True)
+    except UserError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_albert_swarm_trains_across_emulated_hosts(tmp_path):
+    reason = namespaces_available()
+    if reason:
+        pytest.skip(f"network namespaces unavailable here: {reason}")
+    result = run_script(
+        "scripts/local_swarm.py", "--config", str(ROOT / "configs/albert/tiny.yaml"),
+        "--network-setup", str(ROOT / "configs/network/albert_swarm.yaml"), "--output", str(tmp_path),
+        "training.max_global_steps=4", "collaboration.target_batch_size=192", "task.max_documents=3000",
+        "monitor.wandb_mode=disabled", "monitor.checkpoint_every_steps=0", "collaboration.averaging_timeout=30",
+        timeout=560,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "summary.json").read_text())
+    assert report["exit_codes"] == {}, report["exit_codes"]
+    assert report["global_steps"] == 4 and report["steps_recorded"] == 4
+    assert report["samples_contributed"].get("home0", 0) > 0, "the client-mode trainer contributed nothing"
+    assert report["max_param_diff"] < 5e-3
+    from common.netns import list_namespaces
+
+    assert not [name for name in list_namespaces() if name.startswith("dl")], "network namespaces left behind"
