@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common.checkpoints import list_checkpoints
+from common.peer import ADDRESS_FILE
 from common.report import max_parameter_difference
 from common.swarm import LocalSwarm
 from tests.conftest import ROOT
@@ -104,6 +105,7 @@ def test_monitor_restart_nan_peer_corrupt_checkpoint_and_resume(tmp_path, tiny_o
         swarm.start("trainer", "trainer1")
         wait_for_step(swarm, monitor_dir, 2, timeout=300)
         swarm.stop("monitor", graceful=False)  # the monitor dies ...
+        swarm.initial_peers = (tmp_path / "trainer1" / ADDRESS_FILE).read_text().split()  # any live peer will do
         swarm.start("monitor", "monitor")  # ... and comes back with its history
         wait_for_log(monitor_dir / "peer.log", "monitor running", count=2, timeout=240)
         assert swarm.wait(trainers, timeout=400)
