@@ -108,6 +108,10 @@ class AlbertTask(Task):
         optimizer = Lamb(params, lr=self.config.learning_rate, betas=tuple(self.config.betas), eps=self.config.eps,
                          weight_decay=self.config.weight_decay, max_grad_norm=self.config.max_grad_norm,
                          bias_correction=True, always_adapt=True)
+        # timm keeps LAMB's step counter per group and creates it at the first step; a late joiner's fresh
+        # optimizer must already have it, or hivemind cannot load a peer's state into it (mismatched layout).
+        for group in optimizer.param_groups:
+            group.setdefault("step", torch.zeros((), dtype=torch.float32))
         return prefill_optimizer_state(optimizer, ("exp_avg", "exp_avg_sq"))
 
     def make_scheduler(self, optimizer: torch.optim.Optimizer):
