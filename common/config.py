@@ -69,6 +69,8 @@ class CollaborationConfig:
     semantics: Semantics = Semantics.sync
     compression: Compression = Compression.fp16
     bandwidth: Optional[float] = None  # declared Mbit/s for the load balancer; None = swarm average
+    measure_bandwidth: bool = False  # measure this peer's link to its first initial peer and use that instead
+    bandwidth_probe_seconds: float = 2.0
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
     average_state_every: int = 1
@@ -82,6 +84,7 @@ class CollaborationConfig:
         _require(self.target_batch_size > 0, "collaboration.target_batch_size must be > 0")
         _require(self.bandwidth is None or self.bandwidth > 0, "collaboration.bandwidth must be > 0")
         _require(self.matchmaking_time > 0, "collaboration.matchmaking_time must be > 0")
+        _require(self.bandwidth_probe_seconds > 0, "collaboration.bandwidth_probe_seconds must be > 0")
         _require(self.averaging_timeout > self.matchmaking_time,
                  "collaboration.averaging_timeout must exceed collaboration.matchmaking_time")
         _require(self.average_state_every >= 1, "collaboration.average_state_every must be >= 1")

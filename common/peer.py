@@ -13,6 +13,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.auth import AuthorizerBase
 
 from common.config import RunConfig, load_config
+from common.bandwidth import bandwidth_for_averager, measure_link_to_initial_peer, serve_bandwidth_probe
 from common.dht import join_command, start_dht, visible_multiaddrs
 from common.metrics import make_validators
 
@@ -49,6 +50,20 @@ def _looks_like_override(item: str) -> bool:
     return "=" in item and not item.startswith("/")
 
 
+def link_bandwidth(dht: hivemind.DHT, config: RunConfig) -> Optional[float]:
+    """The bandwidth to declare to hivemind's load balancer: measured against the first initial peer when
+    ``collaboration.measure_bandwidth`` is set (and possible), else the configured figure."""
+    collab = config.collaboration
+    if not collab.measure_bandwidth or not config.network.initial_peers:
+        return bandwidth_for_averager(collab.bandwidth, None)
+    try:
+        measurement = measure_link_to_initial_peer(dht, config.network.initial_peers[0], collab.bandwidth_probe_seconds)
+    except Exception as error:  # a failed probe must not stop a volunteer from joining
+        logger.warning(f"bandwidth measurement failed ({type(error).__name__}: {error}); using the declared value")
+        measurement = None
+    return bandwidth_for_averager(collab.bandwidth, measurement)
+
+
 def device_for(config: RunConfig) -> torch.device:
     wanted = config.training.device
     if wanted == "auto":
@@ -63,6 +78,7 @@ def start_peer_dht(config: RunConfig, output_dir: Path, join_script: str, config
     dht = start_dht(config.network, validators, authorizer)
     output_dir.mkdir(parents=True, exist_ok=True)
     if not config.network.client_mode:
+        serve_bandwidth_probe(dht)  # joining peers may measure their link against us
         (output_dir / ADDRESS_FILE).write_text("\n".join(visible_multiaddrs(dht)) + "\n")
         logger.info(f"to join this run, a volunteer runs:\n  {join_command(dht, join_script, config_path)}")
     return dht

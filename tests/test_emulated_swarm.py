@@ -29,6 +29,7 @@ def test_albert_swarm_trains_across_emulated_hosts(tmp_path):
         "--network-setup", str(ROOT / "configs/network/albert_swarm.yaml"), "--output", str(tmp_path),
         "training.max_global_steps=4", "collaboration.target_batch_size=192", "task.max_documents=3000",
         "monitor.wandb_mode=disabled", "monitor.checkpoint_every_steps=0", "collaboration.averaging_timeout=30",
+        "collaboration.measure_bandwidth=true",
         timeout=560,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -37,6 +38,10 @@ def test_albert_swarm_trains_across_emulated_hosts(tmp_path):
     assert report["global_steps"] == 4 and report["steps_recorded"] == 4
     assert report["samples_contributed"].get("home0", 0) > 0, "the client-mode trainer contributed nothing"
     assert report["max_param_diff"] < 5e-3
+    # The home peer measured its own link (10 up / 50 down, slower direction) and declared that, not the config's.
+    home_log = (tmp_path / "home0" / "peer.log").read_text()
+    measured = [line for line in home_log.splitlines() if "bandwidth: declared" in line and "measured" in line]
+    assert measured, "home0 did not measure its link"
     from common.netns import list_namespaces
 
     assert not [name for name in list_namespaces() if name.startswith("dl")], "network namespaces left behind"

@@ -1,6 +1,7 @@
 """Trainer role: computes gradients on its own data stream; the backend (from config) does the rest."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -19,7 +20,7 @@ from common.backends import (
 from common.config import Backend, RunConfig, import_task_module
 from common.lifecycle import StopFlag
 from common.optimizer import make_collaborative_optimizer
-from common.peer import device_for, start_peer_dht
+from common.peer import device_for, link_bandwidth, start_peer_dht
 from common.seeding import stable_seed
 from common.trainer import Trainer, TrainingSummary
 
@@ -41,7 +42,8 @@ def build_backend(config: RunConfig, task, peer_name: str, output_dir: Path, con
     fingerprint = model_fingerprint(task.model)
     try:
         require_same_model(dht, config.collaboration.run_id, fingerprint)
-        optimizer = make_collaborative_optimizer(dht, task, config.collaboration, config.training.local_batch_size)
+        collab = dataclasses.replace(config.collaboration, bandwidth=link_bandwidth(dht, config))
+        optimizer = make_collaborative_optimizer(dht, task, collab, config.training.local_batch_size)
     except BaseException:
         dht.shutdown()
         raise
