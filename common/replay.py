@@ -18,7 +18,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import psutil
@@ -46,6 +46,7 @@ class MemorySample:
     peer_name: str
     role: str
     rss_mb: float  # the peer's whole process group (python process, p2pd daemon, DHT/averager children)
+    pss_mb: float  # the same with shared pages split among their sharers: forked children are not double-counted
 
 
 @dataclass
@@ -61,16 +62,17 @@ class ReplayRecord:
     wall_seconds: float = 0.0
 
 
-def process_group_rss_mb(pgid: int) -> float:
-    """Resident memory of every process in a process group, in MiB (0 when the group is gone)."""
-    total = 0
+def process_group_memory_mb(pgid: int) -> Tuple[float, float]:
+    """(RSS, PSS) summed over every process in a process group, in MiB (zeros when the group is gone)."""
+    rss = pss = 0
     for process in psutil.process_iter(["pid"]):
         try:
             if os.getpgid(process.pid) == pgid:
-                total += process.memory_info().rss
+                memory = process.memory_full_info()
+                rss, pss = rss + memory.rss, pss + memory.pss
         except (ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    return total / 2**20
+    return rss / 2**20, pss / 2**20
 
 
 class ReplayDriver:
@@ -174,7 +176,7 @@ class ReplayDriver:
         for name, peer in self.swarm.peers.items():
             if peer.alive() and name not in self._leaving:
                 self.record.memory.append(MemorySample(seconds, name, peer.role,
-                                                       process_group_rss_mb(peer.process.pid)))
+                                                       *process_group_memory_mb(peer.process.pid)))
 
     def _log_progress(self, seconds: float) -> None:
         history = HistoryWriter(self.swarm.output_dir / MONITOR).read()
@@ -200,32 +202,36 @@ def samples_per_second_over_time(history: Sequence[dict], origin: float, edges: 
 
 
 def memory_trend(samples: Sequence[MemorySample], peer_name: str, warmup_seconds: float) -> Optional[dict]:
-    """RSS of one long-lived peer: first and last value after warm-up, and the fitted slope (MiB per minute)."""
-    points = [(s.seconds, s.rss_mb) for s in samples if s.peer_name == peer_name and s.seconds >= warmup_seconds]
+    """One long-lived peer after warm-up: RSS and PSS first/last/max, and the fitted PSS slope (MiB per minute)."""
+    points = [(s.seconds, s.rss_mb, s.pss_mb) for s in samples
+              if s.peer_name == peer_name and s.seconds >= warmup_seconds]
     if len(points) < 3:
         return None
-    seconds, rss = np.asarray(points).T
-    slope = float(np.polyfit(seconds / 60.0, rss, 1)[0])
-    return {"start_mb": round(float(rss[0]), 1), "end_mb": round(float(rss[-1]), 1),
-            "max_mb": round(float(rss.max()), 1), "slope_mb_per_minute": round(slope, 2)}
+    seconds, rss, pss = np.asarray(points).T
+    return {"rss_start_mb": round(float(rss[0]), 1), "rss_end_mb": round(float(rss[-1]), 1),
+            "rss_max_mb": round(float(rss.max()), 1), "pss_start_mb": round(float(pss[0]), 1),
+            "pss_end_mb": round(float(pss[-1]), 1), "pss_max_mb": round(float(pss.max()), 1),
+            "pss_slope_mb_per_minute": round(float(np.polyfit(seconds / 60.0, pss, 1)[0]), 2)}
 
 
 def trainer_memory(samples: Sequence[MemorySample], warmup_seconds: float) -> dict:
-    """Trainers come and go: mean RSS of a trainer process group in the first and the last fifth of the replay."""
-    points = [(s.seconds, s.rss_mb) for s in samples if s.role == "trainer" and s.seconds >= warmup_seconds]
+    """Trainers come and go: mean PSS of a trainer process group in the first and the last fifth of the replay."""
+    points = [(s.seconds, s.rss_mb, s.pss_mb) for s in samples if s.role == "trainer" and s.seconds >= warmup_seconds]
     if not points:
         return {}
-    seconds, rss = np.asarray(points).T
+    seconds, rss, pss = np.asarray(points).T
     span = seconds.max() - seconds.min()
-    first = rss[seconds <= seconds.min() + span / 5]
-    last = rss[seconds >= seconds.max() - span / 5]
-    return {"first_fifth_mean_mb": round(float(first.mean()), 1), "last_fifth_mean_mb": round(float(last.mean()), 1),
-            "max_mb": round(float(rss.max()), 1)}
+    first, last = seconds <= seconds.min() + span / 5, seconds >= seconds.max() - span / 5
+    return {"pss_first_fifth_mean_mb": round(float(pss[first].mean()), 1),
+            "pss_last_fifth_mean_mb": round(float(pss[last].mean()), 1),
+            "pss_max_mb": round(float(pss.max()), 1), "rss_max_mb": round(float(rss.max()), 1)}
 
 
-def summarise(record: ReplayRecord, schedule: ReplaySchedule, history: Sequence[dict]) -> dict:
+def summarise(record: ReplayRecord, schedule: ReplaySchedule, history: Sequence[dict],
+              memory_warmup_seconds: float) -> dict:
+    """``memory_warmup_seconds``: memory trends start after the peers have built their task and joined."""
     steps = [entry["step"] for entry in history]
-    warmup = 30.0  # peers are still importing and building their task in the first seconds
+    warmup = memory_warmup_seconds
     return {
         "wall_seconds": round(record.wall_seconds, 1),
         "schedule_seconds": schedule.duration_seconds,
@@ -289,13 +295,13 @@ def plot_replay(record: ReplayRecord, schedule: ReplaySchedule, history: Sequenc
     axes[2].plot(step_times, [entry["loss"] for entry in history])
     axes[2].set_ylabel("loss (MLM + SOP)")
     for name in (MONITOR, AUXILIARY):
-        points = [(s.seconds, s.rss_mb) for s in record.memory if s.peer_name == name]
+        points = [(s.seconds, s.pss_mb) for s in record.memory if s.peer_name == name]
         if points:
             axes[3].plot(*zip(*points), label=name)
-    trainer_points = [(s.seconds, s.rss_mb) for s in record.memory if s.role == "trainer"]
+    trainer_points = [(s.seconds, s.pss_mb) for s in record.memory if s.role == "trainer"]
     if trainer_points:
         axes[3].plot(*zip(*trainer_points), ".", markersize=3, label="each trainer")
-    axes[3].set_ylabel("RSS of process group (MiB)")
+    axes[3].set_ylabel("PSS of process group (MiB)")
     axes[3].set_xlabel("replay seconds")
     axes[3].legend(loc="upper left")
     days = axes[0].secondary_xaxis("top", functions=(lambda s: s * schedule.time_scale / 86400.0,
@@ -308,7 +314,8 @@ def plot_replay(record: ReplayRecord, schedule: ReplaySchedule, history: Sequenc
     plt.close(figure)
 
 
-def write_outputs(record: ReplayRecord, schedule: ReplaySchedule, run_dir: Path, directory: Path) -> dict:
+def write_outputs(record: ReplayRecord, schedule: ReplaySchedule, run_dir: Path, directory: Path,
+                  memory_warmup_seconds: float = 120.0) -> dict:
     """Leaderboard, figure, memory samples and summary from a finished replay; returns the summary."""
     directory.mkdir(parents=True, exist_ok=True)
     history = HistoryWriter(run_dir / MONITOR).read()
@@ -319,7 +326,7 @@ def write_outputs(record: ReplayRecord, schedule: ReplaySchedule, run_dir: Path,
         writer.writeheader()
         writer.writerows(asdict(sample) for sample in record.memory)
     plot_replay(record, schedule, history, directory / "replay.png")
-    summary = summarise(record, schedule, history)
+    summary = summarise(record, schedule, history, memory_warmup_seconds)
     summary["leaderboard_samples"] = sum(row.samples for row in rows)
     summary["sessions"] = [{**asdict(session), "exit": record.exits.get(session.peer_name)}
                            for session in record.sessions]
