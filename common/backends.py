@@ -173,8 +173,13 @@ class CollaborativeBackend(TrainingBackend):
             logger.info(f"loaded the swarm's state: continuing from global step {self.optimizer.local_epoch}")
 
     def recover_from_nonfinite_parameters(self) -> None:
-        """Discard the broken local state and download the swarm's (peers' state is checked the same way)."""
+        """Discard the broken local state and download the swarm's; if that is broken too (the whole swarm
+        diverged), stop with a clear error rather than train on NaN: restart from the monitor's checkpoint."""
         self.optimizer.load_state_from_peers()
+        if not all(bool(torch.isfinite(param).all()) for group in self.optimizer.param_groups
+                   for param in group["params"]):
+            raise UserError(f"the swarm's parameters are not finite at global step {self.global_step}: restart the "
+                            f"swarm from the monitor's last checkpoint (it saves finite states only)")
 
     def finalize(self) -> None:
         # Wait for the last step's background parameter averaging and copy its result into the model.

@@ -141,6 +141,10 @@ class Monitor:
         step = self.state_averager.local_epoch
         if step <= self.last_checkpoint_step:
             return
+        if not all(bool(torch.isfinite(param).all()) for param in self.task.model.parameters()):
+            logger.error(f"the swarm's state at global step {step} is not finite: not checkpointing it")
+            self.last_checkpoint_step = step
+            return
         scheduler = self.state_averager.scheduler
         state = {"step": step, "model": self.task.model.state_dict(),
                  "optimizer": self.state_averager.optimizer.state_dict(),
