@@ -29,6 +29,12 @@ def run_script(*arguments: str, timeout: float = 180, env: dict | None = None) -
                           env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
 
 
+def assert_no_processes_left(run_dir: Path) -> None:
+    """No process (peer, DHT, p2pd) still mentions this run's folder."""
+    listing = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True).stdout
+    assert not listing.strip(), f"processes left behind:\n{listing}"
+
+
 @pytest.fixture
 def tiny_overrides(tmp_path):
     """Fast settings for multi-peer tests of the tiny ALBERT config."""

@@ -3,7 +3,6 @@ a corrupt checkpoint and a whole-swarm restart from the last checkpoint."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from common.checkpoints import list_checkpoints
 from common.peer import ADDRESS_FILE
 from common.report import max_parameter_difference
 from common.swarm import LocalSwarm
-from tests.conftest import FP16_TOLERANCE, ROOT
+from tests.conftest import FP16_TOLERANCE, ROOT, assert_no_processes_left
 
 TINY = str(ROOT / "configs/albert/tiny.yaml")
 
@@ -44,11 +43,6 @@ def wait_for_log(path: Path, text: str, count: int, timeout: float) -> None:
     while path.read_text(errors="replace").count(text) < count:
         assert time.monotonic() < deadline, f"{path} never logged {text!r} {count} times"
         time.sleep(0.5)
-
-
-def assert_no_processes_left(run_dir: Path) -> None:
-    listing = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True).stdout
-    assert not listing.strip(), f"processes left behind:\n{listing}"
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,15 +11,10 @@ import torch
 from common.config import load_config
 from common.report import build_report
 from common.swarm import LocalSwarm
-from tests.conftest import FP16_TOLERANCE, ROOT
+from tests.conftest import FP16_TOLERANCE, ROOT, assert_no_processes_left
 from tests.replay import max_difference, read_step_logs, replay_single_process
 
 TINY = str(ROOT / "configs/albert/tiny.yaml")
-
-
-def no_p2pd_left_from(run_dir: Path) -> bool:
-    listing = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True).stdout
-    return not listing.strip()
 
 
 @pytest.mark.slow
@@ -39,7 +33,7 @@ def test_three_trainers_aux_and_monitor_train_together(tmp_path, tiny_overrides)
         exit_codes = {name: swarm.peers[name].process.returncode for name in trainers}
         swarm.stop_many(["monitor", "aux0"])
     assert exit_codes == {name: 0 for name in trainers}, [swarm.peers[n].log_tail() for n in trainers]
-    assert no_p2pd_left_from(tmp_path)
+    assert_no_processes_left(tmp_path)
 
     report = build_report(tmp_path, trainers, "monitor", wall_seconds=0.0)
     summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in trainers]
