@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from tempfile import TemporaryDirectory
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 from common.errors import ConfigError, PeerError, exit_on_user_error
 from common.lifecycle import setup_logging

@@ -18,7 +18,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common.config import load_config
-from tests.conftest import PYTHON, ROOT, run_script
+from tests.conftest import ROOT, run_script
 from tests.replay import max_difference, read_step_logs, replay_single_process
 
 TINY = str(ROOT / "configs/albert/tiny.yaml")

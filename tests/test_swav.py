@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +16,7 @@ from common.backends import SingleProcessBackend
 from common.config import load_config
 from common.errors import ConfigError, DataError
 from common.trainer import Trainer
-from swav.data import FASHION_MNIST_DIR, MultiCropDataset, crop_key, load_fashion_mnist
+from swav.data import FASHION_MNIST_DIR, crop_key, load_fashion_mnist
 from swav.linear_eval import evaluate, knn_top1, load_model
 from swav.task import build_task, learning_rate
 
