@@ -56,12 +56,17 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-def stop_process_group(process: subprocess.Popen, graceful: bool = True, grace_seconds: float = 20.0) -> None:
-    """SIGTERM the peer (graceful) and wait, then SIGKILL whatever is left of its process group."""
+def stop_process_group(process: subprocess.Popen, graceful: bool = True, grace_seconds: float = 20.0,
+                       already_signalled: bool = False) -> None:
+    """SIGTERM the peer (graceful) and wait, then SIGKILL whatever is left of its process group.
+
+    A peer treats a second SIGTERM as "exit now", so ``already_signalled`` peers are only waited for.
+    """
     pgid = process.pid  # started with start_new_session=True: the peer leads its own group
     if graceful and process.poll() is None:
         try:
-            process.send_signal(signal.SIGTERM)
+            if not already_signalled:
+                process.send_signal(signal.SIGTERM)
             process.wait(timeout=grace_seconds)
         except subprocess.TimeoutExpired:
             logger.warning(f"process {process.pid} ignored SIGTERM for {grace_seconds:.0f} s: killing its group")
@@ -155,7 +160,8 @@ class LocalSwarm:
                     pass
         deadline = time.monotonic() + grace_seconds
         for peer in peers:
-            stop_process_group(peer.process, graceful=graceful, grace_seconds=max(0.1, deadline - time.monotonic()))
+            stop_process_group(peer.process, graceful=graceful, grace_seconds=max(0.1, deadline - time.monotonic()),
+                               already_signalled=graceful)
             logger.info(f"stopped {peer.role} {peer.name} ({'SIGTERM' if graceful else 'SIGKILL'}), exit code "
                         f"{peer.process.returncode}")
 
