@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 class TrainingBackend(abc.ABC):
+    state_reloads: int = 0  # times this process replaced its state with the swarm's (discarding local work)
+
     @property
     @abc.abstractmethod
     def global_step(self) -> int:
@@ -126,14 +128,26 @@ class CollaborativeBackend(TrainingBackend):
         self.model_fingerprint = model_fingerprint
         self.peer_name, self.role, self.metrics_expiration = peer_name, role, metrics_expiration
         self.public_key = RSASignatureValidator().local_public_key  # the process-wide key signs our records
+        self.state_reloads = 0
+        reload_state = optimizer.load_state_from_peers
+
+        def counted_reload(**kwargs):
+            # hivemind reloads state inside step() when this peer fell behind, discarding its accumulated
+            # gradients; count it so the loop does not credit those micro-batches to a step.
+            self.state_reloads += 1
+            return reload_state(**kwargs)
+
+        optimizer.load_state_from_peers = counted_reload
 
     @property
     def global_step(self) -> int:
         return self.optimizer.local_epoch
 
     def step(self, batch_size: int) -> Optional[int]:
-        epoch_before = self.optimizer.local_epoch
+        epoch_before, reloads_before = self.optimizer.local_epoch, self.state_reloads
         self.optimizer.step(batch_size=batch_size)
+        if self.state_reloads != reloads_before:
+            return None  # our accumulated micro-batches were discarded: the loop starts a fresh step record
         return epoch_before if self.optimizer.local_epoch != epoch_before else None
 
     def zero_grad(self) -> None:

@@ -159,8 +159,11 @@ class Trainer:
             if self.record_sample_ids and sample_ids is not None:
                 batch_ids = {"ids": sample_ids.tolist(), "pass": int(batch.get("pass_index", torch.tensor(0)))}
             accumulator.add(loss_value, output.batch_size, output.metrics, batch_ids)
+            reloads_before = self.backend.state_reloads
             finished = self.backend.step(output.batch_size)
             self.backend.zero_grad()
+            if self.backend.state_reloads != reloads_before:  # the swarm's state replaced our accumulated work
+                accumulator = StepAccumulator(step=self.backend.global_step)
             compute_seconds += time.perf_counter() - tick
             samples_total += output.batch_size
             if finished is not None:
