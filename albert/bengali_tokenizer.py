@@ -20,10 +20,10 @@ import logging
 from pathlib import Path
 from typing import Iterable
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from albert.tokenizer import SPECIAL_TOKENS
+from albert.tokenizer import train_unigram
 from common.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -62,18 +62,10 @@ def train_bengali_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrained
     tokenizer.normalizer = bengali_normalizer()
     tokenizer.pre_tokenizer = bengali_pre_tokenizer()
     tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, unk_token="<unk>",
-                                      show_progress=False)
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
-    )
+    wrapped = train_unigram(tokenizer, texts, vocab_size,
+                            model_input_names=["input_ids", "token_type_ids", "attention_mask"])
     logger.info(f"trained a Bengali Unigram tokenizer with {tokenizer.get_vocab_size()} tokens")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>",
-                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+    return wrapped
 
 
 def load_or_train_bengali_tokenizer(name: str, texts_factory, vocab_size: int,

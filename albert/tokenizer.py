@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -23,6 +23,13 @@ def train_unigram_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrained
     )
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
+    return train_unigram(tokenizer, texts, vocab_size)
+
+
+def train_unigram(tokenizer: Tokenizer, texts: Iterable[str], vocab_size: int,
+                  model_input_names: Sequence[str] = PreTrainedTokenizerFast.model_input_names) -> PreTrainedTokenizerFast:
+    """Train a configured Unigram ``tokenizer`` (normaliser, pre-tokenizer, decoder set) with ALBERT's special
+    tokens and ``[CLS] A [SEP] B [SEP]`` pairs; return it as a transformers tokenizer."""
     trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, unk_token="<unk>",
                                       show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
@@ -32,7 +39,8 @@ def train_unigram_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrained
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>",
-                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                   model_input_names=list(model_input_names))
 
 
 def load_or_train_tokenizer(name: str, texts_factory, vocab_size: int, cache_dir: Path) -> PreTrainedTokenizerFast:
