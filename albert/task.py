@@ -14,7 +14,7 @@ from albert.bengali_data import BENGALI_STREAM, StreamConfig, build_streaming_da
 from albert.corpus import OFFLINE_WIKIPEDIA, load_documents
 from albert.data import SopDataset, build_examples, cache_key, load_or_build_examples, special_ids
 from albert.tokenizer import load_or_train_tokenizer
-from common.config import RunConfig
+from common.config import RunConfig, require
 from common.errors import DataError
 from common.optimizer import prefill_optimizer_state
 from common.task import Batch, StepOutput, Task
@@ -22,11 +22,6 @@ from common.task import Batch, StepOutput, Task
 logger = logging.getLogger(__name__)
 
 DATA_FORMAT_VERSION = 1  # bump when the example-building code changes, so caches are rebuilt
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 @dataclass
@@ -60,18 +55,18 @@ class TaskConfig:
     total_steps: int = 125_000
 
     def __post_init__(self) -> None:
-        _require(16 <= self.max_seq_length <= 4096, "task.max_seq_length must be in [16, 4096]")
-        _require(0 < self.mlm_probability < 1, "task.mlm_probability must be in (0, 1)")
-        _require(0 <= self.short_seq_probability <= 1, "task.short_seq_probability must be in [0, 1]")
-        _require(self.vocab_size >= 100, "task.vocab_size must be >= 100")
-        _require(self.hidden_size % self.num_attention_heads == 0,
+        require(16 <= self.max_seq_length <= 4096, "task.max_seq_length must be in [16, 4096]")
+        require(0 < self.mlm_probability < 1, "task.mlm_probability must be in (0, 1)")
+        require(0 <= self.short_seq_probability <= 1, "task.short_seq_probability must be in [0, 1]")
+        require(self.vocab_size >= 100, "task.vocab_size must be >= 100")
+        require(self.hidden_size % self.num_attention_heads == 0,
                  "task.hidden_size must be divisible by task.num_attention_heads")
-        _require(self.learning_rate > 0, "task.learning_rate must be > 0")
-        _require(len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas), "task.betas must be two values in [0, 1)")
-        _require(self.warmup_steps >= 0 and self.total_steps > self.warmup_steps,
+        require(self.learning_rate > 0, "task.learning_rate must be > 0")
+        require(len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas), "task.betas must be two values in [0, 1)")
+        require(self.warmup_steps >= 0 and self.total_steps > self.warmup_steps,
                  "task.total_steps must exceed task.warmup_steps >= 0")
-        _require(self.max_documents is None or self.max_documents > 0, "task.max_documents must be > 0")
-        _require(0 <= self.classifier_dropout_prob < 1, "task.classifier_dropout_prob must be in [0, 1)")
+        require(self.max_documents is None or self.max_documents > 0, "task.max_documents must be > 0")
+        require(0 <= self.classifier_dropout_prob < 1, "task.classifier_dropout_prob must be in [0, 1)")
 
 
 def build_model(config: TaskConfig, vocab_size: int) -> AlbertForPreTraining:

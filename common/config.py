@@ -41,7 +41,8 @@ class Backend(str, enum.Enum):
     ddp = "ddp"  # HPC baseline: torch DDP through accelerate
 
 
-def _require(condition: bool, message: str) -> None:
+def require(condition: bool, message: str) -> None:
+    """Config validation in ``__post_init__``: the message names the key (omegaconf reports it in one line)."""
     if not condition:
         raise ValueError(message)
 
@@ -58,8 +59,8 @@ class NetworkConfig:
     bootstrap_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        _require(self.bootstrap_timeout > 0, "network.bootstrap_timeout must be > 0")
-        _require(len(self.host_maddrs) > 0, "network.host_maddrs must list at least one multiaddr")
+        require(self.bootstrap_timeout > 0, "network.bootstrap_timeout must be > 0")
+        require(len(self.host_maddrs) > 0, "network.host_maddrs must list at least one multiaddr")
 
 
 @dataclass
@@ -79,16 +80,16 @@ class CollaborationConfig:
     start_barrier_timeout: float = 120.0
 
     def __post_init__(self) -> None:
-        _require(bool(self.run_id) and self.run_id.replace("_", "").replace("-", "").isalnum(),
+        require(bool(self.run_id) and self.run_id.replace("_", "").replace("-", "").isalnum(),
                  f"collaboration.run_id must be letters, digits, '-' or '_' (got {self.run_id!r})")
-        _require(self.target_batch_size > 0, "collaboration.target_batch_size must be > 0")
-        _require(self.bandwidth is None or self.bandwidth > 0, "collaboration.bandwidth must be > 0")
-        _require(self.matchmaking_time > 0, "collaboration.matchmaking_time must be > 0")
-        _require(self.bandwidth_probe_seconds > 0, "collaboration.bandwidth_probe_seconds must be > 0")
-        _require(self.averaging_timeout > self.matchmaking_time,
+        require(self.target_batch_size > 0, "collaboration.target_batch_size must be > 0")
+        require(self.bandwidth is None or self.bandwidth > 0, "collaboration.bandwidth must be > 0")
+        require(self.matchmaking_time > 0, "collaboration.matchmaking_time must be > 0")
+        require(self.bandwidth_probe_seconds > 0, "collaboration.bandwidth_probe_seconds must be > 0")
+        require(self.averaging_timeout > self.matchmaking_time,
                  "collaboration.averaging_timeout must exceed collaboration.matchmaking_time")
-        _require(self.average_state_every >= 1, "collaboration.average_state_every must be >= 1")
-        _require(self.expected_peers >= 1, "collaboration.expected_peers must be >= 1")
+        require(self.average_state_every >= 1, "collaboration.average_state_every must be >= 1")
+        require(self.expected_peers >= 1, "collaboration.expected_peers must be >= 1")
 
 
 @dataclass
@@ -108,16 +109,16 @@ class TrainingConfig:
     inject_nonfinite_every: int = 0  # fault injection for tests: every N-th micro-batch's loss becomes NaN
 
     def __post_init__(self) -> None:
-        _require(self.local_batch_size > 0, "training.local_batch_size must be > 0")
-        _require(self.max_global_steps > 0, "training.max_global_steps must be > 0")
-        _require(self.max_wall_seconds is None or self.max_wall_seconds > 0,
+        require(self.local_batch_size > 0, "training.local_batch_size must be > 0")
+        require(self.max_global_steps > 0, "training.max_global_steps must be > 0")
+        require(self.max_wall_seconds is None or self.max_wall_seconds > 0,
                  "training.max_wall_seconds must be > 0")
-        _require(self.num_threads >= 1, "training.num_threads must be >= 1")
-        _require(self.device in ("auto", "cpu", "cuda"), f"training.device must be auto, cpu or cuda (got {self.device!r})")
-        _require(self.precision in ("fp32", "fp16", "bf16"),
+        require(self.num_threads >= 1, "training.num_threads must be >= 1")
+        require(self.device in ("auto", "cpu", "cuda"), f"training.device must be auto, cpu or cuda (got {self.device!r})")
+        require(self.precision in ("fp32", "fp16", "bf16"),
                  f"training.precision must be fp32, fp16 or bf16 (got {self.precision!r})")
-        _require(self.log_every_seconds > 0, "training.log_every_seconds must be > 0")
-        _require(self.inject_nonfinite_every >= 0, "training.inject_nonfinite_every must be >= 0")
+        require(self.log_every_seconds > 0, "training.log_every_seconds must be > 0")
+        require(self.inject_nonfinite_every >= 0, "training.inject_nonfinite_every must be >= 0")
 
 
 @dataclass
@@ -131,10 +132,10 @@ class MonitorConfig:
     metrics_expiration: float = 600.0  # seconds a metrics record lives in the DHT
 
     def __post_init__(self) -> None:
-        _require(self.refresh_seconds > 0, "monitor.refresh_seconds must be > 0")
-        _require(self.checkpoint_every_steps >= 0, "monitor.checkpoint_every_steps must be >= 0")
-        _require(self.keep_checkpoints >= 1, "monitor.keep_checkpoints must be >= 1")
-        _require(self.wandb_mode in ("offline", "online", "disabled"),
+        require(self.refresh_seconds > 0, "monitor.refresh_seconds must be > 0")
+        require(self.checkpoint_every_steps >= 0, "monitor.checkpoint_every_steps must be >= 0")
+        require(self.keep_checkpoints >= 1, "monitor.keep_checkpoints must be >= 1")
+        require(self.wandb_mode in ("offline", "online", "disabled"),
                  f"monitor.wandb_mode must be offline, online or disabled (got {self.wandb_mode!r})")
 
 

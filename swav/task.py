@@ -15,7 +15,7 @@ import torch
 from lightly.loss import SwaVLoss
 from timm.optim import Lars
 
-from common.config import RunConfig
+from common.config import RunConfig, require
 from common.errors import ConfigError, DataError
 from common.optimizer import prefill_optimizer_state
 from common.task import Batch, StepOutput, Task
@@ -23,11 +23,6 @@ from swav.data import FASHION_MNIST, FASHION_MNIST_DIR, MultiCropDataset, MultiC
 from swav.model import RESNET50, SMALL_RESNET, SwavModel
 
 logger = logging.getLogger(__name__)
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 @dataclass
@@ -70,41 +65,41 @@ class TaskConfig:
     lars_trust: float = 0.001
 
     def __post_init__(self) -> None:
-        _require(bool(self.dataset), "task.dataset must be 'fashion_mnist' or an ImageFolder root")
-        _require(self.max_images is None or self.max_images > 0, "task.max_images must be > 0")
+        require(bool(self.dataset), "task.dataset must be 'fashion_mnist' or an ImageFolder root")
+        require(self.max_images is None or self.max_images > 0, "task.max_images must be > 0")
         groups = len(self.crop_sizes)
-        _require(groups >= 1, "task.crop_sizes must list at least one crop size")
-        _require(len(self.crop_counts) == groups and len(self.crop_min_scales) == groups
+        require(groups >= 1, "task.crop_sizes must list at least one crop size")
+        require(len(self.crop_counts) == groups and len(self.crop_min_scales) == groups
                  and len(self.crop_max_scales) == groups,
                  "task.crop_sizes, crop_counts, crop_min_scales and crop_max_scales must have the same length")
-        _require(all(size > 0 for size in self.crop_sizes), "task.crop_sizes must be > 0")
-        _require(self.crop_counts[0] >= 2, "task.crop_counts[0] must be >= 2 (two large crops swap predictions)")
-        _require(all(count >= 1 for count in self.crop_counts), "task.crop_counts must be >= 1")
-        _require(all(0 < low <= high <= 1 for low, high in zip(self.crop_min_scales, self.crop_max_scales)),
+        require(all(size > 0 for size in self.crop_sizes), "task.crop_sizes must be > 0")
+        require(self.crop_counts[0] >= 2, "task.crop_counts[0] must be >= 2 (two large crops swap predictions)")
+        require(all(count >= 1 for count in self.crop_counts), "task.crop_counts must be >= 1")
+        require(all(0 < low <= high <= 1 for low, high in zip(self.crop_min_scales, self.crop_max_scales)),
                  "task.crop_min_scales/crop_max_scales must satisfy 0 < min <= max <= 1")
         for name in ("flip_probability", "blur_probability"):
-            _require(0 <= getattr(self, name) <= 1, f"task.{name} must be in [0, 1]")
-        _require(self.color_jitter_strength >= 0, "task.color_jitter_strength must be >= 0")
-        _require(self.arch in (RESNET50, SMALL_RESNET), f"task.arch must be {RESNET50} or {SMALL_RESNET} (got {self.arch!r})")
-        _require(len(self.small_widths) == 4 and all(width > 0 and width % 2 == 0 for width in self.small_widths),
+            require(0 <= getattr(self, name) <= 1, f"task.{name} must be in [0, 1]")
+        require(self.color_jitter_strength >= 0, "task.color_jitter_strength must be >= 0")
+        require(self.arch in (RESNET50, SMALL_RESNET), f"task.arch must be {RESNET50} or {SMALL_RESNET} (got {self.arch!r})")
+        require(len(self.small_widths) == 4 and all(width > 0 and width % 2 == 0 for width in self.small_widths),
                  "task.small_widths must be four positive even stage widths")
-        _require(len(self.small_blocks) == 4 and all(blocks >= 1 for blocks in self.small_blocks),
+        require(len(self.small_blocks) == 4 and all(blocks >= 1 for blocks in self.small_blocks),
                  "task.small_blocks must be four block counts >= 1")
-        _require(self.head_hidden_dim > 0 and self.head_output_dim > 0, "task.head_hidden_dim/head_output_dim must be > 0")
-        _require(self.num_prototypes >= 2, "task.num_prototypes must be >= 2")
-        _require(self.freeze_prototypes_steps >= 0, "task.freeze_prototypes_steps must be >= 0")
-        _require(self.temperature > 0, "task.temperature must be > 0")
-        _require(self.sinkhorn_iterations >= 1, "task.sinkhorn_iterations must be >= 1")
-        _require(self.sinkhorn_epsilon > 0, "task.sinkhorn_epsilon must be > 0")
-        _require(self.queue_length >= 0, "task.queue_length must be >= 0")
-        _require(self.queue_start_step >= 0, "task.queue_start_step must be >= 0")
-        _require(self.base_lr > 0 and self.warmup_start_lr >= 0 and self.final_lr >= 0,
+        require(self.head_hidden_dim > 0 and self.head_output_dim > 0, "task.head_hidden_dim/head_output_dim must be > 0")
+        require(self.num_prototypes >= 2, "task.num_prototypes must be >= 2")
+        require(self.freeze_prototypes_steps >= 0, "task.freeze_prototypes_steps must be >= 0")
+        require(self.temperature > 0, "task.temperature must be > 0")
+        require(self.sinkhorn_iterations >= 1, "task.sinkhorn_iterations must be >= 1")
+        require(self.sinkhorn_epsilon > 0, "task.sinkhorn_epsilon must be > 0")
+        require(self.queue_length >= 0, "task.queue_length must be >= 0")
+        require(self.queue_start_step >= 0, "task.queue_start_step must be >= 0")
+        require(self.base_lr > 0 and self.warmup_start_lr >= 0 and self.final_lr >= 0,
                  "task.base_lr must be > 0 and task.warmup_start_lr, task.final_lr >= 0")
-        _require(self.warmup_steps >= 0 and self.total_steps > self.warmup_steps,
+        require(self.warmup_steps >= 0 and self.total_steps > self.warmup_steps,
                  "task.total_steps must exceed task.warmup_steps >= 0")
-        _require(0 <= self.momentum < 1, "task.momentum must be in [0, 1)")
-        _require(self.weight_decay >= 0, "task.weight_decay must be >= 0")
-        _require(self.lars_trust > 0, "task.lars_trust must be > 0")
+        require(0 <= self.momentum < 1, "task.momentum must be in [0, 1)")
+        require(self.weight_decay >= 0, "task.weight_decay must be >= 0")
+        require(self.lars_trust > 0, "task.lars_trust must be > 0")
 
     @property
     def crops(self) -> MultiCropSpec:
