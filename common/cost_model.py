@@ -41,18 +41,13 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from common.config import Semantics
+from common.config import Semantics, require
 from common.errors import ConfigError, DataError
 
 BITS_PER_BYTE = 8
 MEGABIT = 1e6
 GIGABIT = 1e9
 SECONDS_PER_HOUR = 3600.0
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 class NodeRole(str, enum.Enum):
@@ -94,16 +89,16 @@ class NodeGroup:
 
     def __post_init__(self) -> None:
         where = f"nodes[{self.name}]"
-        _require(self.count >= 1, f"{where}.count must be >= 1")
-        _require(self.upload_mbps > 0 and self.download_mbps > 0, f"{where}.upload_mbps/download_mbps must be > 0")
-        _require(self.usd_per_hour >= 0, f"{where}.usd_per_hour must be >= 0")
-        _require(self.interruptions_per_hour >= 0, f"{where}.interruptions_per_hour must be >= 0")
-        _require(self.restart_minutes >= 0, f"{where}.restart_minutes must be >= 0")
-        _require(all(rate > 0 for rate in self.samples_per_second.values()),
+        require(self.count >= 1, f"{where}.count must be >= 1")
+        require(self.upload_mbps > 0 and self.download_mbps > 0, f"{where}.upload_mbps/download_mbps must be > 0")
+        require(self.usd_per_hour >= 0, f"{where}.usd_per_hour must be >= 0")
+        require(self.interruptions_per_hour >= 0, f"{where}.interruptions_per_hour must be >= 0")
+        require(self.restart_minutes >= 0, f"{where}.restart_minutes must be >= 0")
+        require(all(rate > 0 for rate in self.samples_per_second.values()),
                  f"{where}.samples_per_second values must be > 0")
-        _require(not (self.role == NodeRole.auxiliary and self.client_mode),
+        require(not (self.role == NodeRole.auxiliary and self.client_mode),
                  f"{where}: an auxiliary peer must accept inbound connections (client_mode must be false)")
-        _require(self.role == NodeRole.trainer or not self.samples_per_second,
+        require(self.role == NodeRole.trainer or not self.samples_per_second,
                  f"{where}: only trainers compute gradients (samples_per_second must be empty for a {self.role.value})")
 
     @property
@@ -128,15 +123,15 @@ class SetupConfig:
     nodes: List[NodeGroup] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _require(len(self.nodes) > 0, f"setup {self.name}: nodes must list at least one node group")
-        _require(self.round_overhead_seconds >= 0, "round_overhead_seconds must be >= 0")
-        _require(any(group.role == NodeRole.trainer for group in self.nodes),
+        require(len(self.nodes) > 0, f"setup {self.name}: nodes must list at least one node group")
+        require(self.round_overhead_seconds >= 0, "round_overhead_seconds must be >= 0")
+        require(any(group.role == NodeRole.trainer for group in self.nodes),
                  f"setup {self.name}: needs at least one trainer node group")
         if self.kind == SetupKind.hpc:
-            _require(self.interconnect_gbps is not None and self.interconnect_gbps > 0,
+            require(self.interconnect_gbps is not None and self.interconnect_gbps > 0,
                      f"setup {self.name}: an hpc setup needs interconnect_gbps > 0")
         else:
-            _require(any(not group.client_mode for group in self.nodes),
+            require(any(not group.client_mode for group in self.nodes),
                      f"setup {self.name}: every peer is in client mode, so nobody can aggregate the all-reduce")
 
 
@@ -152,11 +147,11 @@ class TaskSpec:
     average_state_every: int = 1  # state (parameter) round every k global steps; 0 = never
 
     def __post_init__(self) -> None:
-        _require(self.parameters > 0, f"task {self.name}: parameters must be > 0")
-        _require(self.bytes_per_parameter > 0, f"task {self.name}: bytes_per_parameter must be > 0")
-        _require(self.target_batch_size > 0, f"task {self.name}: target_batch_size must be > 0")
-        _require(self.global_steps > 0, f"task {self.name}: global_steps must be > 0")
-        _require(self.average_state_every >= 0, f"task {self.name}: average_state_every must be >= 0")
+        require(self.parameters > 0, f"task {self.name}: parameters must be > 0")
+        require(self.bytes_per_parameter > 0, f"task {self.name}: bytes_per_parameter must be > 0")
+        require(self.target_batch_size > 0, f"task {self.name}: target_batch_size must be > 0")
+        require(self.global_steps > 0, f"task {self.name}: global_steps must be > 0")
+        require(self.average_state_every >= 0, f"task {self.name}: average_state_every must be >= 0")
 
     @property
     def vector_bytes(self) -> float:
