@@ -148,7 +148,14 @@ class CollaborativeBackend(TrainingBackend):
         self.optimizer.step(batch_size=batch_size)
         if self.state_reloads != reloads_before:
             return None  # our accumulated micro-batches were discarded: the loop starts a fresh step record
-        return epoch_before if self.optimizer.local_epoch != epoch_before else None
+        if self.optimizer.local_epoch == epoch_before:
+            return None
+        if self.collab.expected_peers > 1 and self.optimizer.tracker.global_progress.num_peers <= 1:
+            # hivemind only averages with peers its progress tracker has seen; steps much shorter than its
+            # refresh period (about a second) can end before that, and then only local gradients are applied
+            logger.warning(f"global step {epoch_before} used this peer's gradients only: no other trainer was "
+                           f"visible yet (raise collaboration.target_batch_size if steps take only a second or two)")
+        return epoch_before
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()

@@ -1,6 +1,8 @@
 """hivemind.Optimizer built from config: semantics preset, wire compression, declared bandwidth."""
 from __future__ import annotations
 
+import logging
+import types
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -19,6 +21,8 @@ from hivemind.compression import (
 from common.config import CollaborationConfig, Compression, Semantics
 from common.task import Task
 
+logger = logging.getLogger(__name__)
+
 
 def prefill_optimizer_state(optimizer: torch.optim.Optimizer, state_names: Sequence[str]) -> torch.optim.Optimizer:
     """Create the optimizer's per-parameter state as zeros, exactly as its first step would.
@@ -33,6 +37,27 @@ def prefill_optimizer_state(optimizer: torch.optim.Optimizer, state_names: Seque
             state = optimizer.state[param]
             for name in state_names:
                 state.setdefault(name, torch.zeros_like(param, memory_format=torch.preserve_format))
+    return optimizer
+
+
+def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer.step`` a no-op (with a warning) when any gradient is NaN/Inf.
+
+    A partial all-reduce can hand every peer of a round the same non-finite averaged gradient (hivemind divides a
+    part by the total weight it received, which is 0 when only zero-weight peers got through). Skipping such a
+    step, like an AMP grad scaler does, keeps every peer's parameters finite and still identical.
+    """
+    take_step = optimizer.step
+
+    def guarded_step(self, *args, **kwargs):
+        gradients = [param.grad for group in self.param_groups for param in group["params"] if param.grad is not None]
+        if not all(bool(torch.isfinite(gradient).all()) for gradient in gradients):
+            logger.warning("the averaged gradient is not finite (a partial averaging round): optimizer step skipped")
+            return None
+        return take_step(*args, **kwargs)
+
+    # a bound method, as torch's LR schedulers expect when they wrap optimizer.step
+    optimizer.step = types.MethodType(guarded_step, optimizer)
     return optimizer
 
 
@@ -84,7 +109,7 @@ def make_collaborative_optimizer(
         target_batch_size=collab.target_batch_size,
         batch_size_per_step=None if auxiliary else local_batch_size,
         params=task.optimizer_param_groups(),
-        optimizer=task.make_optimizer,
+        optimizer=lambda params: skip_nonfinite_steps(task.make_optimizer(params)),
         scheduler=task.make_scheduler,
         matchmaking_time=collab.matchmaking_time,
         averaging_timeout=collab.averaging_timeout,
