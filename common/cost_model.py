@@ -19,8 +19,10 @@ declared bandwidth. Given the split, peer i moves
 
 and the round lasts  T = round_overhead + max_i max(upload_i / up_i, download_i / down_i): every peer
 streams both directions at its link rate, so the slowest link finishes last. ``round_overhead`` is the
-fixed matchmaking/RPC cost of one round (measured, per setup). The gradient round runs every global step;
-a state (parameter) round runs every ``average_state_every`` steps (the paper-era code: every step).
+fixed matchmaking/RPC cost of one round (measured, per setup). The gradient round runs every global step, on
+the critical path; a state (parameter) round runs every ``average_state_every`` steps in the background, as
+hivemind.Optimizer does by default (``delay_state_averaging``), so it costs wall time only where it outlasts the
+next accumulation.
 
 An HPC node uses a ring all-reduce over its interconnect: T = overhead + 2 (n-1)/n * S / B, and keeps
 parameters in sync without state rounds.
@@ -34,7 +36,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 from hivemind.averaging.load_balancing import load_balance_peers
@@ -274,11 +276,13 @@ def combine_step_time(accumulation: float, averaging: float, semantics: Semantic
     return accumulation + averaging
 
 
-def swarm_averaging_seconds(task: TaskSpec, peers: Sequence[Peer], round_overhead: float) -> float:
-    """Averaging time per global step: a gradient round, plus a state round every k steps."""
+def swarm_averaging_seconds(task: TaskSpec, peers: Sequence[Peer], round_overhead: float,
+                            accumulation_seconds: float) -> float:
+    """Averaging time per global step on the critical path: the gradient round, plus whatever part of the
+    (amortised) background state round the next accumulation does not hide."""
     one_round = round_overhead + butterfly_seconds(task.vector_bytes, peers)
     state_rounds_per_step = 1.0 / task.average_state_every if task.average_state_every else 0.0
-    return one_round * (1.0 + state_rounds_per_step)
+    return one_round + max(0.0, one_round * state_rounds_per_step - accumulation_seconds)
 
 
 def predict(setup: SetupConfig, task: TaskSpec) -> Prediction:
@@ -293,7 +297,8 @@ def predict(setup: SetupConfig, task: TaskSpec) -> Prediction:
         averaging = setup.round_overhead_seconds + ring_allreduce_seconds(task.vector_bytes, workers,
                                                                           setup.interconnect_gbps)
     else:
-        averaging = swarm_averaging_seconds(task, expand_peers(setup.nodes), setup.round_overhead_seconds)
+        averaging = swarm_averaging_seconds(task, expand_peers(setup.nodes), setup.round_overhead_seconds,
+                                            accumulation)
     step = combine_step_time(accumulation, averaging, setup.semantics)
     total_hours = step * task.global_steps / SECONDS_PER_HOUR
     usd_per_hour = sum(group.count * group.usd_per_hour * group.availability for group in setup.nodes)
@@ -328,6 +333,43 @@ class Validation:
         return {**self.__dict__, "relative_error": self.relative_error}
 
 
+def fit_round_overhead(predict_step_seconds: Callable[[float], float], measured_step_seconds: float) -> float:
+    """The fixed per-round overhead (matchmaking, RPC, scheduling) for which the model predicts a run's measured
+    step time (0 if even no overhead over-predicts): calibrate on one run, then validate on a different one."""
+    low, high = 0.0, max(1.0, measured_step_seconds)
+    if predict_step_seconds(low) >= measured_step_seconds:
+        return 0.0
+    for _ in range(60):  # predicted step time grows monotonically with the overhead
+        middle = (low + high) / 2
+        low, high = (middle, high) if predict_step_seconds(middle) < measured_step_seconds else (low, middle)
+    return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class SwarmCalibration:
+    """This machine's inputs to the step-time model, fitted on recorded runs of the same swarm."""
+
+    swarm_samples_per_second: float  # compute throughput of all trainers together, as the swarm really got it
+    round_overhead_seconds: float  # matchmaking, RPC and scheduling per averaging round
+
+
+def fit_swarm_calibration(first: Validation, second: Validation, semantics: Semantics) -> SwarmCalibration:
+    """Two runs of one swarm with different target batches (both validated with zero overhead) determine its
+    effective throughput (the slope of step time over samples per step) and its per-round overhead (the rest).
+    Assumes the background state round hides behind the accumulation in both runs (one round on the critical path)."""
+    if semantics == Semantics.dpu:
+        raise DataError("the model can only be calibrated on sync or local runs (dpu overlaps averaging)")
+    extra_samples = second.samples_per_step - first.samples_per_step
+    extra_seconds = second.measured_step_seconds - first.measured_step_seconds
+    if abs(extra_samples) < 1 or extra_samples * extra_seconds <= 0:
+        raise DataError(f"calibration needs two runs whose larger target batch takes longer per step (got "
+                        f"{first.samples_per_step:.0f} samples in {first.measured_step_seconds:.2f} s and "
+                        f"{second.samples_per_step:.0f} in {second.measured_step_seconds:.2f} s)")
+    throughput = extra_samples / extra_seconds
+    waiting = first.measured_step_seconds - first.samples_per_step / throughput - first.predicted_averaging_seconds
+    return SwarmCalibration(swarm_samples_per_second=throughput, round_overhead_seconds=max(0.0, waiting))
+
+
 def validate_against_history(
     history: Sequence[Mapping],
     peer_samples_per_second: Mapping[str, float],
@@ -339,12 +381,14 @@ def validate_against_history(
     semantics: Semantics = Semantics.sync,
     auxiliary_peers: int = 0,
     skip_first_steps: int = 1,
+    peers: Optional[Sequence[Peer]] = None,
 ) -> Validation:
     """Predicted vs measured time per global step for a run recorded by the monitor (``history.jsonl``).
 
     ``peer_samples_per_second`` is each trainer's *compute* throughput under the run's CPU sharing (take it
     from trainers run with ``training.backend=single`` side by side, whose wall rate has no averaging in it).
-    Every peer gets the same measured link ``bandwidth_mbps`` (loopback or an emulated link).
+    Every peer gets the same measured link ``bandwidth_mbps`` (loopback), unless ``peers`` lists each trainer
+    and auxiliary peer with its own link (an emulated setup).
     """
     records = sorted(history, key=lambda record: record["step"])[skip_first_steps:]
     if len(records) < 2:
@@ -360,12 +404,13 @@ def validate_against_history(
     mean_peers = float(np.mean([record["peers"] for record in records]))
     throughput = float(sum(peer_samples_per_second.values()))
     trainers = len(peer_samples_per_second)
-    peers = [Peer(bandwidth_mbps, bandwidth_mbps)] * trainers + \
-        [Peer(bandwidth_mbps, bandwidth_mbps, sends_vector=False)] * auxiliary_peers
+    if peers is None:
+        peers = [Peer(bandwidth_mbps, bandwidth_mbps)] * trainers + \
+            [Peer(bandwidth_mbps, bandwidth_mbps, sends_vector=False)] * auxiliary_peers
     task = TaskSpec(name="measured", parameters=parameters, bytes_per_parameter=bytes_per_parameter,
                     target_batch_size=max(1, int(round(samples_per_step))), average_state_every=average_state_every)
     accumulation = samples_per_step / throughput
-    averaging = swarm_averaging_seconds(task, peers, round_overhead_seconds)
+    averaging = swarm_averaging_seconds(task, peers, round_overhead_seconds, accumulation)
     return Validation(
         steps_measured=len(intervals), peers=mean_peers, samples_per_step=samples_per_step,
         swarm_samples_per_second=throughput, predicted_accumulation_seconds=accumulation,

@@ -379,15 +379,16 @@ def simulate_full_scale(sessions: Sequence[Session], hardware_table: SetupConfig
         middle = hour + resolution_hours / 2
         online = [session for session in sessions if session.start_hour <= middle < session.end_hour]
         throughput = sum(session.samples_per_second for session in online)
-        key = tuple(sorted((session.hardware, session.client_mode) for session in online))
+        key = (throughput, *sorted((session.hardware, session.client_mode) for session in online))
         can_aggregate = any(not session.client_mode for session in online)
         if not online or not can_aggregate:
             step_seconds = math.inf  # nobody to aggregate: volunteers in client mode alone cannot average
         else:
             if key not in averaging_cache:
                 peers = [Peer(groups[name].upload_mbps, groups[name].download_mbps, client_mode=client)
-                         for name, client in key]
-                averaging_cache[key] = swarm_averaging_seconds(task, peers, hardware_table.round_overhead_seconds)
+                         for name, client in key[1:]]
+                averaging_cache[key] = swarm_averaging_seconds(task, peers, hardware_table.round_overhead_seconds,
+                                                               task.target_batch_size / throughput)
             step_seconds = combine_step_time(task.target_batch_size / throughput, averaging_cache[key],
                                              hardware_table.semantics)
         steps += resolution_hours * 3600.0 / step_seconds

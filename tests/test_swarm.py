@@ -32,6 +32,9 @@ def test_three_trainers_aux_and_monitor_train_together(tmp_path, tiny_overrides)
         exit_codes = {name: swarm.peers[name].process.returncode for name in trainers}
         swarm.stop_many(["monitor", "aux0"])
     assert exit_codes == {name: 0 for name in trainers}, [swarm.peers[n].log_tail() for n in trainers]
+    # both leave within the launcher's grace period, even with the auxiliary peer waiting for a round nobody joins
+    assert [swarm.peers[name].process.returncode for name in ("monitor", "aux0")] == [0, 0], \
+        [swarm.peers[name].log_tail() for name in ("monitor", "aux0")]
     assert_no_processes_left(tmp_path)
 
     report = build_report(tmp_path, trainers, "monitor", wall_seconds=0.0)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +23,27 @@ from common.peer import start_peer_dht
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05
+# After SIGINT/SIGTERM, the round in progress gets this long to finish; then the peer leaves without waiting for
+# rounds nobody will join (at the end of a run it would otherwise block for collaboration.averaging_timeout).
+LEAVE_WITHIN_SECONDS = 5.0
+
+
+def leave_promptly_when_stopped(stop: StopFlag, finished: threading.Event, shutdown) -> threading.Thread:
+    """An auxiliary peer holds no state of its own, so once stopped it may abandon a blocked averaging round."""
+    def watch() -> None:
+        while not stop.wait(0.5):
+            if finished.is_set():
+                return
+        if finished.wait(LEAVE_WITHIN_SECONDS):
+            return
+        logger.info(f"still waiting for an averaging round {LEAVE_WITHIN_SECONDS:.0f} s after the stop: leaving now")
+        shutdown()
+        logging.shutdown()
+        os._exit(0)
+
+    watcher = threading.Thread(target=watch, name="leave-when-stopped", daemon=True)
+    watcher.start()
+    return watcher
 
 
 def run_auxiliary(config: RunConfig, config_path: str, stop: StopFlag) -> None:
@@ -30,6 +53,14 @@ def run_auxiliary(config: RunConfig, config_path: str, stop: StopFlag) -> None:
     output_dir = Path(config.training.output_dir)
     dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path)
     optimizer = None
+    finished = threading.Event()
+
+    def shutdown() -> None:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
+
+    leave_promptly_when_stopped(stop, finished, shutdown)
     try:
         torch.manual_seed(config.training.seed)
         task = import_task_module(config.task_module).build_task(config, with_data=False)
@@ -49,6 +80,5 @@ def run_auxiliary(config: RunConfig, config_path: str, stop: StopFlag) -> None:
                    "wall_seconds": time.time() - started}
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     finally:
-        if optimizer is not None:
-            optimizer.shutdown()
-        dht.shutdown()
+        finished.set()
+        shutdown()
