@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import getpass
 import hashlib
 import hmac
 import json
 import logging
+import os
 import secrets
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -36,7 +39,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from common.errors import DataError, PeerError
+from common.errors import ConfigError, DataError, PeerError
 
 logger = logging.getLogger(__name__)
 
@@ -256,3 +259,26 @@ class AllowlistTokenAuthorizer(TokenAuthorizerBase):
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         margin = min(self.refresh_margin, self._lifetime_at_issue / 4)  # short-lived tokens: refresh late, not always
         return token_expiration(access_token) - datetime.now(timezone.utc) < margin
+
+
+USERNAME_VARIABLE, PASSWORD_VARIABLE = "DEDLOC_USERNAME", "DEDLOC_PASSWORD"
+
+
+def credentials() -> Tuple[str, str]:
+    """Username and password from $DEDLOC_USERNAME / $DEDLOC_PASSWORD, or a prompt in a terminal."""
+    username = os.environ.get(USERNAME_VARIABLE) or (input("username: ").strip() if sys.stdin.isatty() else "")
+    password = os.environ.get(PASSWORD_VARIABLE) or (getpass.getpass("password: ") if sys.stdin.isatty() else "")
+    if not username or not password:
+        raise ConfigError(f"no credentials: set {USERNAME_VARIABLE} and {PASSWORD_VARIABLE} or run in a terminal")
+    return username, password
+
+
+def authorize(server_url: Optional[str]) -> Optional[AllowlistTokenAuthorizer]:
+    """The authorizer every role of a moderated run needs (None for an open run). The first token is fetched here,
+    so refusals end the process with one line before any model, data or DHT is built."""
+    if server_url is None:
+        return None
+    username, password = credentials()
+    authorizer = AllowlistTokenAuthorizer(server_url, username, password)
+    authorizer.fetch_token()
+    return authorizer

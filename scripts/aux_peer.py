@@ -1,6 +1,11 @@
-"""Auxiliary peer (CPU, no data, helps average): ``python scripts/aux_peer.py --config ... --initial-peers ...``."""
+"""Auxiliary peer (CPU, no data, helps average): ``python scripts/aux_peer.py --config ... --initial-peers ...``.
+
+In a moderated run add ``--auth-server URL`` (credentials from $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt)."""
+import argparse
+
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
+from common.auth import authorize
 from common.errors import exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.peer import parse_role_arguments
@@ -10,9 +15,12 @@ from common.roles.auxiliary import run_auxiliary
 @exit_on_user_error
 def main() -> None:
     stop = StopFlag().install()
-    args = parse_role_arguments("auxiliary")
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--auth-server", default=None, help="URL of scripts/auth_server.py (moderated runs)")
+    own, rest = parser.parse_known_args()
+    args = parse_role_arguments("auxiliary", rest)
     setup_logging(args.name)
-    run_auxiliary(args.config, args.config_path, stop)
+    run_auxiliary(args.config, args.config_path, stop, authorize(own.auth_server))
 
 
 if __name__ == "__main__":

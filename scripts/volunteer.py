@@ -7,27 +7,14 @@ Credentials come from $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt. Refusals 
 password, expired access, unreachable server) end with one line naming the problem.
 """
 import argparse
-import getpass
-import os
-import sys
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
-from common.auth import AllowlistTokenAuthorizer
-from common.errors import ConfigError, exit_on_user_error
+from common.auth import authorize
+from common.errors import exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.peer import parse_role_arguments
 from common.roles.trainer import run_trainer
-
-USERNAME_VARIABLE, PASSWORD_VARIABLE = "DEDLOC_USERNAME", "DEDLOC_PASSWORD"
-
-
-def credentials() -> tuple:
-    username = os.environ.get(USERNAME_VARIABLE) or (input("username: ").strip() if sys.stdin.isatty() else "")
-    password = os.environ.get(PASSWORD_VARIABLE) or (getpass.getpass("password: ") if sys.stdin.isatty() else "")
-    if not username or not password:
-        raise ConfigError(f"no credentials: set {USERNAME_VARIABLE} and {PASSWORD_VARIABLE} or run in a terminal")
-    return username, password
 
 
 @exit_on_user_error
@@ -38,12 +25,10 @@ def main() -> None:
     parser.add_argument("--server-mode", action="store_true",
                         help="accept inbound connections (only if this machine is reachable; default: client mode)")
     own, rest = parser.parse_known_args()
-    username, password = credentials()
-    setup_logging(username)
-    authorizer = AllowlistTokenAuthorizer(own.auth_server, username, password)
-    authorizer.fetch_token()  # refusals surface here, before the model, data or DHT are built
+    setup_logging("volunteer")
+    authorizer = authorize(own.auth_server)  # refusals surface here, before the model, data or DHT are built
     args = parse_role_arguments("volunteer", rest)
-    name = args.name if args.name != "volunteer" else username
+    name = args.name if args.name != "volunteer" else authorizer.username
     args.config.network.client_mode = not own.server_mode
     run_trainer(args.config, args.config_path, name, stop, authorizer)
 

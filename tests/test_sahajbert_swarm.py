@@ -49,6 +49,18 @@ def _start_volunteer(tmp_path, tokenizer_dir, server_url, name, extra) -> subpro
                             env=environment, start_new_session=True)
 
 
+def _start_authorized_auxiliary(tmp_path, tokenizer_dir, server_url, initial_peers) -> subprocess.Popen:
+    """An organiser's auxiliary peer: authorized like every other peer of a moderated run."""
+    log = (tmp_path / "aux.log").open("wb")
+    environment = {**os.environ, "DEDLOC_USERNAME": "alice", "DEDLOC_PASSWORD": PASSWORDS["alice"],
+                   "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "scripts/aux_peer.py", "--config", "configs/sahajbert/tiny.yaml", "--auth-server",
+               server_url, "--name", "aux", "--initial-peers", *initial_peers,
+               *_overrides(tmp_path, tokenizer_dir, "aux")]
+    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=environment, start_new_session=True)
+
+
 def _wait_for(condition, timeout: float, what: str, processes) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -89,17 +101,23 @@ def test_allowlisted_volunteers_train_and_others_are_refused(tmp_path):
         forged._local_access_token = rogue.issue("alice", PASSWORDS["alice"], forged.local_public_key.to_bytes())
         _assert_refused(initial_peers, authorizer=forged)  # a token signed by someone else's key
 
+        auxiliary = _start_authorized_auxiliary(tmp_path, tokenizer_dir, server.url, initial_peers)
+        processes.append(auxiliary)
+        aux_log = tmp_path / "aux.log"
+        _wait_for(lambda: "auxiliary peer running" in aux_log.read_text(errors="replace"), 120,
+                  "the authorized auxiliary peer to join", processes)  # alice waits at her start barrier meanwhile
+
         bob = _start_volunteer(tmp_path, tokenizer_dir, server.url, "bob", ["--initial-peers", *initial_peers])
         processes.append(bob)
-        _wait_for(lambda: all(process.poll() is not None for process in processes), 300, "training to finish",
-                  processes)
+        _wait_for(lambda: alice.poll() is not None and bob.poll() is not None, 300, "training to finish", processes)
+        assert "authorized as 'alice'" in aux_log.read_text(errors="replace")
         for name in ("alice", "bob"):
             summary = json.loads((tmp_path / name / "summary.json").read_text())
             assert summary["global_steps"] >= STEPS and summary["samples"] > 0, summary
         bob_log = (tmp_path / "bob.log").read_text()
         assert "authorized as 'bob'" in bob_log
     except BaseException:
-        for name in ("alice", "bob"):
+        for name in ("alice", "bob", "aux"):
             log = tmp_path / f"{name}.log"
             if log.exists():
                 print(f"--- {name} ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:]))

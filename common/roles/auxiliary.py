@@ -11,8 +11,10 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
+from hivemind.utils.auth import AuthorizerBase
 
 from common.config import RunConfig, import_task_module
 from common.errors import PeerError
@@ -46,12 +48,13 @@ def leave_promptly_when_stopped(stop: StopFlag, finished: threading.Event, shutd
     return watcher
 
 
-def run_auxiliary(config: RunConfig, config_path: str, stop: StopFlag) -> None:
+def run_auxiliary(config: RunConfig, config_path: str, stop: StopFlag,
+                  authorizer: Optional[AuthorizerBase] = None) -> None:
     if config.network.client_mode:
         raise PeerError("an auxiliary peer must accept inbound connections: set network.client_mode=false")
     torch.set_num_threads(config.training.num_threads)
     output_dir = Path(config.training.output_dir)
-    dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path)
+    dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer)
     optimizer = None
     finished = threading.Event()
 

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils.auth import AuthorizerBase
 
 from common.checkpoints import load_latest_checkpoint, save_checkpoint
 from common.config import RunConfig, import_task_module
@@ -68,7 +69,8 @@ class Leaderboard:
 
 
 class Monitor:
-    def __init__(self, config: RunConfig, config_path: str, stop: StopFlag):
+    def __init__(self, config: RunConfig, config_path: str, stop: StopFlag,
+                 authorizer: Optional[AuthorizerBase] = None):
         self.config, self.stop = config, stop
         self.output_dir = Path(config.training.output_dir)
         self.checkpoint_dir = Path(config.monitor.checkpoint_dir or self.output_dir / "checkpoints")
@@ -79,7 +81,7 @@ class Monitor:
             self.aggregator.finished_up_to = resumed[-1]["step"]
             logger.info(f"resuming history: {len(resumed)} steps already recorded (last step {resumed[-1]['step']})")
         self.leaderboard = Leaderboard(self.output_dir / "leaderboard.json", resumed)
-        self.dht = start_peer_dht(config, self.output_dir, "scripts/train.py", config_path)
+        self.dht = start_peer_dht(config, self.output_dir, "scripts/train.py", config_path, authorizer)
         task_module = import_task_module(config.task_module)
         torch.manual_seed(config.training.seed)
         self.task = task_module.build_task(config, with_data=False)
@@ -174,6 +176,7 @@ class Monitor:
         self.dht.shutdown()
 
 
-def run_monitor(config: RunConfig, config_path: str, stop: StopFlag) -> None:
+def run_monitor(config: RunConfig, config_path: str, stop: StopFlag,
+                authorizer: Optional[AuthorizerBase] = None) -> None:
     torch.set_num_threads(config.training.num_threads)
-    Monitor(config, config_path, stop).run()
+    Monitor(config, config_path, stop, authorizer).run()
