@@ -25,7 +25,9 @@ def replay_single_process(config: RunConfig, records: List[dict], steps: int) ->
     for step in range(steps):
         micro_batches = [batch for record in records if record["step"] == step for batch in record["micro_batches"]]
         total = sum(len(batch["ids"]) for batch in micro_batches)
-        assert total >= config.collaboration.target_batch_size, f"step {step} has only {total} samples"
+        # hivemind ends a step when its *estimate* of the swarm's samples reaches the target, so a step may hold a
+        # little less (496 of 512 seen): the reference then steps on exactly those samples too
+        assert total > 0, f"no micro-batch was logged for step {step}"
         backend.target_batch_size = total
         finished = None
         for micro_batch in micro_batches:
