@@ -177,14 +177,19 @@ class CollaborativeBackend(TrainingBackend):
             trainers = count_trainers(self.dht, self.collab.run_id)
             if trainers >= expected:
                 logger.info(f"start barrier passed: {trainers} trainers visible")
-                return
+                break
             if time.monotonic() > deadline:
                 logger.warning(f"start barrier timed out with {trainers}/{expected} trainers visible; training anyway")
-                return
+                break
             if time.monotonic() - last_log > 5:
                 logger.info(f"waiting for peers: {trainers}/{expected} trainers visible")
                 last_log = time.monotonic()
             time.sleep(0.5)
+        # hivemind's throughput estimate times the first micro-batch from the optimizer's creation, so the wait
+        # above would count as training time: a first peer that waited 10 s then reports ~1.5 samples/s, its
+        # tracker expects the step to take minutes and refreshes only every 10 s, and a short first step ends
+        # before it has seen the other peers -- it then steps alone on local gradients.
+        self.optimizer.tracker.performance_ema.reset_timer()
 
     def catch_up(self) -> None:
         """Load the newest state any peer shares: a late joiner gets the swarm's parameters, optimizer state and
