@@ -24,6 +24,11 @@ class StopFlag:
 
     def _handle(self, signum, _frame) -> None:
         if self._event.is_set():  # a second signal: the user wants out now
+            if os.getpgrp() == os.getpid():
+                # a peer started by the launcher leads its own process group: take its hivemind children (DHT,
+                # averagers, p2pd) along, as nobody else may stop them (a SIGKILLed launcher's parent-death
+                # signal arrives twice when the kernel reparents the peer to the dying launcher's other threads)
+                os.killpg(os.getpid(), signal.SIGKILL)
             os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
         logging.getLogger(__name__).info(f"received {self.signal_name}: finishing the current step and shutting down")
@@ -48,3 +53,7 @@ def setup_logging(name: str, log_file: Optional[Path] = None, level: int = loggi
                         datefmt="%H:%M:%S", handlers=handlers, force=True)
     for noisy in ("hivemind", "urllib3", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # hivemind.Optimizer's per-step status (how many peers each averaging round had, fallbacks to local gradients)
+    # is what a volunteer needs to see; its progress tracker's sub-second refresh lines stay hidden
+    for status_logger in ("hivemind.optim.optimizer", "hivemind.optim.state_averager"):
+        logging.getLogger(status_logger).setLevel(logging.INFO)

@@ -2,10 +2,12 @@
 
 Used by ``scripts/local_swarm.py``, the experiment scripts and the multi-peer tests. Every process started
 here is stopped here: SIGTERM to the peer first (it shuts its optimizer and DHT down), then SIGKILL to its
-whole process group, so no DHT process or p2pd daemon outlives the swarm.
+whole process group, so no DHT process or p2pd daemon outlives the swarm. A launcher that is itself killed
+(SIGKILL, OOM) cannot clean up; on Linux its peers then get SIGTERM from the kernel (parent-death signal).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -22,7 +24,19 @@ from common.peer import ADDRESS_FILE
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 ROLE_SCRIPTS = {"monitor": "scripts/monitor.py", "trainer": "scripts/train.py", "auxiliary": "scripts/aux_peer.py"}
+
+
+def _terminate_with_launcher(launcher_pid: int) -> Callable[[], None]:
+    """Runs in the child between fork and exec (so it only calls a function resolved beforehand): the kernel sends
+    the peer SIGTERM -- its graceful shutdown -- when the launcher's thread that started it dies."""
+    def set_parent_death_signal() -> None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
+            os._exit(1)
+    return set_parent_death_signal
 
 
 @dataclass
@@ -119,7 +133,8 @@ class LocalSwarm:
                     *(self.host_overrides(name) if self.host_overrides else []), *extra_overrides]
         log = (output_dir / "peer.log").open("ab")
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=self.environment, start_new_session=True)
+                                   env=self.environment, start_new_session=True,
+                                   preexec_fn=_terminate_with_launcher(os.getpid()) if _PRCTL else None)
         log.close()
         peer = PeerProcess(name=name, role=role, output_dir=output_dir, process=process)
         self.peers[name] = peer

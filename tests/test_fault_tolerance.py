@@ -3,6 +3,10 @@ a corrupt checkpoint and a whole-swarm restart from the last checkpoint."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,7 +44,7 @@ def wait_for_step(swarm: LocalSwarm, monitor_dir: Path, step: int, timeout: floa
 
 def wait_for_log(path: Path, text: str, count: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while path.read_text(errors="replace").count(text) < count:
+    while not path.exists() or path.read_text(errors="replace").count(text) < count:
         assert time.monotonic() < deadline, f"{path} never logged {text!r} {count} times"
         time.sleep(0.5)
 
@@ -141,3 +145,48 @@ def test_monitor_restart_nan_peer_corrupt_checkpoint_and_resume(tmp_path, tiny_o
         first = logged_steps(resumed / name)[0]
         assert previous_step <= first <= previous_step + 1, f"{name} restarted at {first}, not {previous_step}"
         assert json.loads((resumed / name / "summary.json").read_text())["global_steps"] == total_steps
+
+
+def process_groups() -> dict:
+    """pgid -> pids of every live process on the machine (zombies wait for init to reap them; they hold nothing)."""
+    listing = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True, check=True).stdout
+    groups: dict = {}
+    for line in listing.splitlines():
+        pid, pgid, state = line.split()
+        if not state.startswith("Z"):
+            groups.setdefault(int(pgid), []).append(int(pid))
+    return groups
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_peers_and_their_p2pd_exit_when_the_launcher_is_sigkilled(tmp_path, tiny_overrides):
+    # A SIGKILLed launcher cannot stop its peers; the kernel's parent-death signal must (common/swarm.py).
+    command = [sys.executable, str(ROOT / "scripts/local_swarm.py"), "--config", TINY, "--trainers", "1", "--aux", "1",
+               "--output", str(tmp_path), *tiny_overrides, "training.max_global_steps=100000"]
+    launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    peer_groups: list = []
+    try:
+        wait_for_log(tmp_path / "trainer0" / "peer.log", "start barrier passed", 1, timeout=180)
+        groups = process_groups()
+        children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        peer_groups = [int(pid) for pid in children if int(pid) in groups]  # each peer leads its own group
+        assert len(peer_groups) == 3, f"expected monitor, auxiliary and trainer under the launcher: {peer_groups}"
+        p2pd = subprocess.run(["pgrep", "p2pd"], capture_output=True, text=True).stdout.split()
+        assert sum(int(pid) in groups[pgid] for pgid in peer_groups for pid in p2pd) == 3, "each peer runs a p2pd"
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while any(pgid in process_groups() for pgid in peer_groups):
+            left = {pgid: pids for pgid, pids in process_groups().items() if pgid in peer_groups}
+            assert time.monotonic() < deadline, f"peers outlived their SIGKILLed launcher: {left}"
+            time.sleep(0.5)
+        assert_no_processes_left(tmp_path)
+    finally:
+        launcher.kill()
+        for pgid in peer_groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
