@@ -14,6 +14,7 @@ import hashlib
 import contextlib
 import logging
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import List, Optional
 
@@ -28,6 +29,7 @@ from common.metrics import RECENT_STEPS_KEPT, HistoryWriter, PeerMetrics, StepRe
 from common.task import Task
 
 logger = logging.getLogger(__name__)
+PUBLISH_TIMEOUT = 10.0  # seconds a leaving trainer waits for its last metrics record to reach the DHT
 
 
 class TrainingBackend(abc.ABC):
@@ -129,6 +131,7 @@ class CollaborativeBackend(TrainingBackend):
         self.peer_name, self.role, self.metrics_expiration = peer_name, role, metrics_expiration
         self.public_key = RSASignatureValidator().local_public_key  # the process-wide key signs our records
         self.state_reloads = 0
+        self.last_publish: Optional[Future] = None
         reload_state = optimizer.load_state_from_peers
 
         def counted_reload(**kwargs):
@@ -163,7 +166,7 @@ class CollaborativeBackend(TrainingBackend):
     def publish(self, records: List[StepRecord]) -> None:
         value = PeerMetrics(peer_name=self.peer_name, role=self.role, recent=records[-RECENT_STEPS_KEPT:],
                             model_fingerprint=self.model_fingerprint)
-        self.dht.store(
+        self.last_publish = self.dht.store(
             key=metrics_key(self.collab.run_id), subkey=self.public_key, value=value.dict(),
             expiration_time=get_dht_time() + self.metrics_expiration, return_future=True,
         )
@@ -212,6 +215,13 @@ class CollaborativeBackend(TrainingBackend):
         self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
 
     def shutdown(self) -> None:
+        # the last step's record is stored in the background; without waiting, a trainer that exits right after
+        # its final step can take it down with its DHT and the monitor never records that step
+        if self.last_publish is not None:
+            try:
+                self.last_publish.result(timeout=PUBLISH_TIMEOUT)
+            except Exception as error:  # shutting down anyway: the record is only lost from the monitor's history
+                logger.warning(f"could not publish the last step's metrics before leaving: {error!r}")
         self.optimizer.shutdown()
         self.dht.shutdown()
 
