@@ -78,6 +78,9 @@ class CollaborationConfig:
     load_state_timeout: float = 60.0
     expected_peers: int = 1  # start barrier: trainers wait until this many trainers report progress
     start_barrier_timeout: float = 120.0
+    # run reports call trainers' final parameters "the same" within this (max absolute element difference);
+    # lossy wire compression leaves peers legitimately apart, by how much depends on the optimizer (see configs)
+    agreement_tolerance: float = 1e-3
 
     def __post_init__(self) -> None:
         require(bool(self.run_id) and self.run_id.replace("_", "").replace("-", "").isalnum(),
@@ -90,6 +93,7 @@ class CollaborationConfig:
                  "collaboration.averaging_timeout must exceed collaboration.matchmaking_time")
         require(self.average_state_every >= 1, "collaboration.average_state_every must be >= 1")
         require(self.expected_peers >= 1, "collaboration.expected_peers must be >= 1")
+        require(self.agreement_tolerance > 0, "collaboration.agreement_tolerance must be > 0")
 
 
 @dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -103,6 +104,9 @@ def make_collaborative_optimizer(
     flags = SEMANTICS[collab.semantics]
     compression = make_compression(collab.compression)
     averager_opts = {"bandwidth": collab.bandwidth} if collab.bandwidth is not None else {}
+    # A late joiner's downloaded state fast-forwards its LR schedule to the swarm's step (hivemind steps the
+    # scheduler without an optimizer step); that is intended, but torch warns as if the call order were wrong.
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
     return hivemind.Optimizer(
         dht=dht,
         run_id=collab.run_id,
@@ -126,5 +130,5 @@ def make_collaborative_optimizer(
         state_averaging_compression=compression,
         averager_opts=averager_opts,
         tracker_opts={"min_refresh_period": 0.2, "default_refresh_period": 1.0},
-        verbose=False,
+        verbose=True,  # status lines at INFO; common.lifecycle.setup_logging decides which loggers show them
     )

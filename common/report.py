@@ -57,7 +57,8 @@ def plot_history(history: List[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def build_report(run_dir: Path, trainer_names: List[str], monitor_name: str, wall_seconds: float) -> Dict:
+def build_report(run_dir: Path, trainer_names: List[str], monitor_name: str, wall_seconds: float,
+                 agreement_tolerance: float) -> Dict:
     history = HistoryWriter(run_dir / monitor_name).read()
     summaries = {}
     for name in trainer_names:
@@ -70,6 +71,7 @@ def build_report(run_dir: Path, trainer_names: List[str], monitor_name: str, wal
     for entry in history:
         for peer, samples in entry["contributions"].items():
             contributions[peer] = contributions.get(peer, 0) + samples
+    difference = max_parameter_difference(state_paths)
     report = {
         "trainers": len(trainer_names),
         "trainers_finished": len(summaries),
@@ -80,7 +82,9 @@ def build_report(run_dir: Path, trainer_names: List[str], monitor_name: str, wal
         "metrics_first": history[0]["metrics"] if history else {},
         "metrics_last": history[-1]["metrics"] if history else {},
         "peers_per_step": [entry["peers"] for entry in history],
-        "max_param_diff": max_parameter_difference(state_paths),
+        "max_param_diff": difference,
+        "agreement_tolerance": agreement_tolerance,
+        "params_agree": None if difference is None else difference <= agreement_tolerance,
         "samples_per_second": {name: summary["samples_per_second"] for name, summary in summaries.items()},
         "samples_contributed": contributions,
         "wall_seconds": wall_seconds,
@@ -107,6 +111,7 @@ def format_report(report: Dict) -> str:
         lines.append(f"{name:<12} {report['samples_contributed'].get(name, 0):>7}  "
                      f"{report['samples_per_second'][name]:>9.1f}")
     difference = report["max_param_diff"]
+    verdict = "same" if report["params_agree"] else "DIFFERENT"
     lines.append("trainers' parameters: " + ("n/a (fewer than 2 trainers)" if difference is None else
-                 f"max |difference| = {difference:.2e} ({'same' if difference < 1e-3 else 'DIFFERENT'})"))
+                 f"max |difference| = {difference:.2e} ({verdict} within {report['agreement_tolerance']:.1e})"))
     return "\n".join(lines)

@@ -99,7 +99,8 @@ def main() -> None:
         time.sleep(2 * config.monitor.refresh_seconds + 1)  # let the monitor record the last steps
         swarm.stop_many([name for name in swarm.peers if name not in trainer_names])
         failed = {name: peer.process.returncode for name, peer in swarm.peers.items() if peer.process.returncode}
-    report = build_report(output, trainer_names, monitor_name, time.time() - started)
+    report = build_report(output, trainer_names, monitor_name, time.time() - started,
+                          config.collaboration.agreement_tolerance)
     report["exit_codes"] = failed
     (output / "summary.json").write_text(json.dumps(report, indent=2))
     logger.info("run report (%s):\n%s", output / "summary.json", format_report(report))

@@ -13,10 +13,10 @@ PYTHON = sys.executable
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# With fp16 on the wire each peer keeps its own share of the all-reduce in fp32 and receives the others' in fp16;
-# LAMB normalises updates, so a rounding that flips a tiny gradient's sign moves a weight by up to 2 x lr (lr =
-# 0.004 in tiny.yaml) on one peer only, until parameter averaging pulls them together again.
-FP16_TOLERANCE = 2 * 0.004
+from common.config import load_config  # noqa: E402  (needs the repository on sys.path)
+
+# How far fp16 wire compression may leave trainers apart (2 x lr with LAMB; the reasoning is in tiny.yaml).
+FP16_TOLERANCE = load_config(str(ROOT / "configs/albert/tiny.yaml")).collaboration.agreement_tolerance
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

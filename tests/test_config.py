@@ -48,6 +48,7 @@ def test_overrides_apply():
         (["collaboration.semantics=eventual"], "semantics"),
         (["task.hidden_size=100", "task.num_attention_heads=3"], "divisible"),
         (["task.mlm_probability=1.5"], "task.mlm_probability"),
+        (["collaboration.agreement_tolerance=0"], "collaboration.agreement_tolerance must be > 0"),
         (["task_module=nonexistent"], "nonexistent"),
         (["not_an_override"], "key=value"),
     ],
