@@ -27,10 +27,14 @@ class RoleArguments:
     config: RunConfig
     config_path: str
     name: str
+    auth_server: Optional[str] = None
 
 
-def parse_role_arguments(role: str, argv: Optional[Sequence[str]] = None) -> RoleArguments:
+def parse_role_arguments(role: str, argv: Optional[Sequence[str]] = None, moderated: bool = False) -> RoleArguments:
+    """``moderated``: the role can join a moderated run (``--auth-server URL``; see common.auth.authorize)."""
     parser = argparse.ArgumentParser(description=f"DeDLOC {role} peer", allow_abbrev=False)
+    if moderated:
+        parser.add_argument("--auth-server", default=None, help="URL of scripts/auth_server.py (moderated runs)")
     parser.add_argument("--config", required=True, help="YAML file under configs/")
     parser.add_argument("--initial-peers", nargs="*", default=None,
                         help="multiaddrs of any peer already in the swarm (printed by every running peer)")
@@ -43,7 +47,8 @@ def parse_role_arguments(role: str, argv: Optional[Sequence[str]] = None) -> Rol
     config = load_config(args.config, overrides)
     if args.initial_peers is not None:
         config.network.initial_peers = peers
-    return RoleArguments(config=config, config_path=args.config, name=args.name or role)
+    return RoleArguments(config=config, config_path=args.config, name=args.name or role,
+                         auth_server=args.auth_server if moderated else None)
 
 
 def _looks_like_override(item: str) -> bool:

@@ -39,26 +39,25 @@ def _overrides(tmp_path: Path, tokenizer_dir: Path, name: str) -> list:
     ]
 
 
-def _start_volunteer(tmp_path, tokenizer_dir, server_url, name, extra) -> subprocess.Popen:
+def _start_moderated_peer(tmp_path, tokenizer_dir, server_url, script, name, user, extra) -> subprocess.Popen:
+    """A peer of the moderated run, authorized as ``user``; its log is <tmp_path>/<name>.log."""
     (tmp_path / name).mkdir(parents=True, exist_ok=True)
     log = (tmp_path / f"{name}.log").open("wb")
-    environment = {**os.environ, "DEDLOC_USERNAME": name, "DEDLOC_PASSWORD": PASSWORDS[name], "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "scripts/volunteer.py", "--config", "configs/sahajbert/tiny.yaml", "--auth-server",
-               server_url, "--name", name, *extra, *_overrides(tmp_path, tokenizer_dir, name)]
+    environment = {**os.environ, "DEDLOC_USERNAME": user, "DEDLOC_PASSWORD": PASSWORDS[user], "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, script, "--config", "configs/sahajbert/tiny.yaml", "--auth-server", server_url,
+               "--name", name, *extra, *_overrides(tmp_path, tokenizer_dir, name)]
     return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env=environment, start_new_session=True)
+
+
+def _start_volunteer(tmp_path, tokenizer_dir, server_url, name, extra) -> subprocess.Popen:
+    return _start_moderated_peer(tmp_path, tokenizer_dir, server_url, "scripts/volunteer.py", name, name, extra)
 
 
 def _start_authorized_auxiliary(tmp_path, tokenizer_dir, server_url, initial_peers) -> subprocess.Popen:
     """An organiser's auxiliary peer: authorized like every other peer of a moderated run."""
-    log = (tmp_path / "aux.log").open("wb")
-    environment = {**os.environ, "DEDLOC_USERNAME": "alice", "DEDLOC_PASSWORD": PASSWORDS["alice"],
-                   "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "scripts/aux_peer.py", "--config", "configs/sahajbert/tiny.yaml", "--auth-server",
-               server_url, "--name", "aux", "--initial-peers", *initial_peers,
-               *_overrides(tmp_path, tokenizer_dir, "aux")]
-    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=environment, start_new_session=True)
+    return _start_moderated_peer(tmp_path, tokenizer_dir, server_url, "scripts/aux_peer.py", "aux", "alice",
+                                 ["--initial-peers", *initial_peers])
 
 
 def _wait_for(condition, timeout: float, what: str, processes) -> None:
