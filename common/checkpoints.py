@@ -4,6 +4,7 @@ A checkpoint is ``step_<N>.pt`` plus ``step_<N>.pt.sha256``, each written to a t
 the digest last: a checkpoint without a matching digest is partial or corrupt and is skipped in favour of
 the previous good one.
 """
+
 from __future__ import annotations
 
 import hashlib

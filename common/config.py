@@ -1,10 +1,11 @@
 """Typed run configuration: omegaconf structured dataclasses, loaded from YAML + ``key=value`` overrides.
 
-A run config has four experiment-independent sections (network, collaboration, training, monitor) and a
+A run config has five experiment-independent sections (network, collaboration, training, monitor, debug) and a
 ``task`` section whose schema belongs to the experiment package named by ``task_module`` (``albert``,
 ``swav``, ...): that package's ``task`` module exposes ``TaskConfig``. Validation happens once, on load:
 unknown keys, wrong types and out-of-range values become a one-line :class:`ConfigError`.
 """
+
 from __future__ import annotations
 
 import enum
@@ -83,14 +84,18 @@ class CollaborationConfig:
     agreement_tolerance: float = 1e-3
 
     def __post_init__(self) -> None:
-        require(bool(self.run_id) and self.run_id.replace("_", "").replace("-", "").isalnum(),
-                 f"collaboration.run_id must be letters, digits, '-' or '_' (got {self.run_id!r})")
+        require(
+            bool(self.run_id) and self.run_id.replace("_", "").replace("-", "").isalnum(),
+            f"collaboration.run_id must be letters, digits, '-' or '_' (got {self.run_id!r})",
+        )
         require(self.target_batch_size > 0, "collaboration.target_batch_size must be > 0")
         require(self.bandwidth is None or self.bandwidth > 0, "collaboration.bandwidth must be > 0")
         require(self.matchmaking_time > 0, "collaboration.matchmaking_time must be > 0")
         require(self.bandwidth_probe_seconds > 0, "collaboration.bandwidth_probe_seconds must be > 0")
-        require(self.averaging_timeout > self.matchmaking_time,
-                 "collaboration.averaging_timeout must exceed collaboration.matchmaking_time")
+        require(
+            self.averaging_timeout > self.matchmaking_time,
+            "collaboration.averaging_timeout must exceed collaboration.matchmaking_time",
+        )
         require(self.average_state_every >= 1, "collaboration.average_state_every must be >= 1")
         require(self.expected_peers >= 1, "collaboration.expected_peers must be >= 1")
         require(self.agreement_tolerance > 0, "collaboration.agreement_tolerance must be > 0")
@@ -108,21 +113,32 @@ class TrainingConfig:
     precision: str = "fp32"  # fp32 | fp16 | bf16 (autocast, only where a GPU is present)
     log_every_seconds: float = 10.0
     output_dir: str = "outputs/run"
-    record_sample_ids: bool = False  # log which samples went into each global step (equivalence checks)
     skip_nonfinite: bool = True  # drop a micro-batch whose loss or gradients are not finite
-    inject_nonfinite_every: int = 0  # fault injection for tests: every N-th micro-batch's loss becomes NaN
 
     def __post_init__(self) -> None:
         require(self.local_batch_size > 0, "training.local_batch_size must be > 0")
         require(self.max_global_steps > 0, "training.max_global_steps must be > 0")
-        require(self.max_wall_seconds is None or self.max_wall_seconds > 0,
-                 "training.max_wall_seconds must be > 0")
+        require(self.max_wall_seconds is None or self.max_wall_seconds > 0, "training.max_wall_seconds must be > 0")
         require(self.num_threads >= 1, "training.num_threads must be >= 1")
-        require(self.device in ("auto", "cpu", "cuda"), f"training.device must be auto, cpu or cuda (got {self.device!r})")
-        require(self.precision in ("fp32", "fp16", "bf16"),
-                 f"training.precision must be fp32, fp16 or bf16 (got {self.precision!r})")
+        require(
+            self.device in ("auto", "cpu", "cuda"), f"training.device must be auto, cpu or cuda (got {self.device!r})"
+        )
+        require(
+            self.precision in ("fp32", "fp16", "bf16"),
+            f"training.precision must be fp32, fp16 or bf16 (got {self.precision!r})",
+        )
         require(self.log_every_seconds > 0, "training.log_every_seconds must be > 0")
-        require(self.inject_nonfinite_every >= 0, "training.inject_nonfinite_every must be >= 0")
+
+
+@dataclass
+class DebugConfig:
+    """Switches for tests and investigations; a real run leaves them at their defaults."""
+
+    record_sample_ids: bool = False  # log which samples went into each global step (equivalence checks)
+    inject_nonfinite_every: int = 0  # fault injection: every N-th micro-batch's loss becomes NaN
+
+    def __post_init__(self) -> None:
+        require(self.inject_nonfinite_every >= 0, "debug.inject_nonfinite_every must be >= 0")
 
 
 @dataclass
@@ -139,8 +155,10 @@ class MonitorConfig:
         require(self.refresh_seconds > 0, "monitor.refresh_seconds must be > 0")
         require(self.checkpoint_every_steps >= 0, "monitor.checkpoint_every_steps must be >= 0")
         require(self.keep_checkpoints >= 1, "monitor.keep_checkpoints must be >= 1")
-        require(self.wandb_mode in ("offline", "online", "disabled"),
-                 f"monitor.wandb_mode must be offline, online or disabled (got {self.wandb_mode!r})")
+        require(
+            self.wandb_mode in ("offline", "online", "disabled"),
+            f"monitor.wandb_mode must be offline, online or disabled (got {self.wandb_mode!r})",
+        )
 
 
 @dataclass
@@ -151,12 +169,13 @@ class RunConfig:
     collaboration: CollaborationConfig = field(default_factory=CollaborationConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def import_task_module(name: str):
     """The experiment package's ``task`` module (``albert`` -> ``albert.task``)."""
     if not isinstance(name, str) or not name.isidentifier():
-        raise ConfigError(f"task_module must name an experiment package such as 'albert' or 'swav' (got {name!r})")
+        raise ConfigError(f"task_module must name an experiment package, a folder with a task.py (got {name!r})")
     try:
         module = importlib.import_module(f"{name}.task")
     except ModuleNotFoundError as error:

@@ -5,6 +5,7 @@ Launch one process per worker with ``torchrun --nproc_per_node=N scripts/train.p
 accumulated gradients on the k-th, so one optimizer step sees the mean gradient of
 ``target_batch_size = local_batch_size x k x workers`` samples -- the collaborative run's global batch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,10 @@ logger = logging.getLogger(__name__)
 class DDPBackend(TrainingBackend):
     def __init__(self, task: Task, config: RunConfig):
         precision = config.training.precision if torch.cuda.is_available() else "no"
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                                       mixed_precision={"fp32": "no", "fp16": "fp16", "bf16": "bf16"}.get(precision, "no"))
+        self.accelerator = Accelerator(
+            cpu=not torch.cuda.is_available(),
+            mixed_precision={"fp32": "no", "fp16": "fp16", "bf16": "bf16"}.get(precision, "no"),
+        )
         self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
         per_step = config.training.local_batch_size * self.world_size
         if config.collaboration.target_batch_size % per_step:
@@ -45,8 +48,10 @@ class DDPBackend(TrainingBackend):
         self.micro_batches_done = 0
         self._global_step = 0
         self.history = HistoryWriter(Path(config.training.output_dir)) if self.rank == 0 else None
-        logger.info(f"DDP worker {self.rank}/{self.world_size}: {self.accumulation_steps} micro-batches of "
-                    f"{config.training.local_batch_size} per step, global batch {config.collaboration.target_batch_size}")
+        logger.info(
+            f"DDP worker {self.rank}/{self.world_size}: {self.accumulation_steps} micro-batches of "
+            f"{config.training.local_batch_size} per step, global batch {config.collaboration.target_batch_size}"
+        )
 
     @property
     def global_step(self) -> int:

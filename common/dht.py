@@ -1,4 +1,5 @@
 """Starting a hivemind DHT node from config, with clear errors and the join command for the next volunteer."""
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,9 @@ def validate_multiaddrs(addresses: Sequence[str], what: str) -> List[str]:
     return list(addresses)
 
 
-def start_dht(network: NetworkConfig, record_validators: Sequence = (),
-              authorizer: Optional[AuthorizerBase] = None) -> hivemind.DHT:
+def start_dht(
+    network: NetworkConfig, record_validators: Sequence = (), authorizer: Optional[AuthorizerBase] = None
+) -> hivemind.DHT:
     """Start this process's DHT node (must run in the main thread: hivemind requires it). With an ``authorizer``
     (``common.auth``), DHT requests and responses carry access tokens and unauthorized peers are refused."""
     initial_peers = validate_multiaddrs(network.initial_peers, "initial peer")

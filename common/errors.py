@@ -1,9 +1,10 @@
 """User-facing errors: one line, naming the problem, never a traceback."""
+
 from __future__ import annotations
 
 import functools
-import os
 import logging
+import os
 import sys
 from typing import Callable, TypeVar
 

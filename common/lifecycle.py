@@ -1,4 +1,5 @@
 """Process lifecycle: logging set-up, SIGINT/SIGTERM turned into a graceful stop, thread limits."""
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,13 @@ def setup_logging(name: str, log_file: Optional[Path] = None, level: int = loggi
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
-    logging.basicConfig(level=level, format=f"%(asctime)s [{name}] %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", handlers=handlers, force=True)
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s [{name}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        handlers=handlers,
+        force=True,
+    )
     for noisy in ("hivemind", "urllib3", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # hivemind.Optimizer's per-step status (how many peers each averaging round had, fallbacks to local gradients)

@@ -6,6 +6,7 @@ polling period, and aggregating by the ``step`` field (not by arrival time) mean
 Records are RSA-signed by hivemind's ``RSASignatureValidator`` (a peer can only write its own subkey) and
 checked against the pydantic schema below (malformed records are refused by every DHT node).
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,13 @@ class StepAggregate:
 
     def to_json(self) -> dict:
         return {
-            "step": self.step, "peers": self.peers, "samples": self.samples, "loss": self.loss,
-            "seconds": self.seconds, "time": self.time, "metrics": self.metrics,
+            "step": self.step,
+            "peers": self.peers,
+            "samples": self.samples,
+            "loss": self.loss,
+            "seconds": self.seconds,
+            "time": self.time,
+            "metrics": self.metrics,
             "contributions": self.contributions,
         }
 
@@ -78,7 +84,9 @@ def aggregate_step(step: int, records: Dict[str, StepRecord]) -> StepAggregate:
     weights = {name: (record.samples / total if total else 1.0 / len(records)) for name, record in records.items()}
     metric_names = sorted({name for record in records.values() for name in record.metrics})
     metrics = {
-        metric: sum(weights[peer] * record.metrics[metric] for peer, record in records.items() if metric in record.metrics)
+        metric: sum(
+            weights[peer] * record.metrics[metric] for peer, record in records.items() if metric in record.metrics
+        )
         / max(1e-12, sum(weights[peer] for peer, record in records.items() if metric in record.metrics))
         for metric in metric_names
     }
@@ -134,9 +142,15 @@ class HistoryWriter:
         with self.csv_path.open("a") as csv_file:
             if new_file:
                 csv_file.write(",".join(["step", "peers", "samples", "loss", "seconds", "time", *metric_names]) + "\n")
-            values = [aggregate.step, aggregate.peers, aggregate.samples, f"{aggregate.loss:.6f}",
-                      f"{aggregate.seconds:.3f}", f"{aggregate.time:.3f}",
-                      *(f"{aggregate.metrics[name]:.6f}" for name in metric_names)]
+            values = [
+                aggregate.step,
+                aggregate.peers,
+                aggregate.samples,
+                f"{aggregate.loss:.6f}",
+                f"{aggregate.seconds:.3f}",
+                f"{aggregate.time:.3f}",
+                *(f"{aggregate.metrics[name]:.6f}" for name in metric_names),
+            ]
             csv_file.write(",".join(str(value) for value in values) + "\n")
 
     def read(self) -> List[dict]:

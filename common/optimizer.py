@@ -1,13 +1,10 @@
 """hivemind.Optimizer built from config: semantics preset, wire compression, declared bandwidth."""
+
 from __future__ import annotations
 
 import logging
-import types
-import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence
-
-import torch
+from typing import Optional
 
 import hivemind
 from hivemind.compression import (
@@ -20,46 +17,10 @@ from hivemind.compression import (
 )
 
 from common.config import CollaborationConfig, Compression, Semantics
+from common.hivemind_compat import client_mode_argument, silence_schedule_fast_forward_warning, skip_nonfinite_steps
 from common.task import Task
 
 logger = logging.getLogger(__name__)
-
-
-def prefill_optimizer_state(optimizer: torch.optim.Optimizer, state_names: Sequence[str]) -> torch.optim.Optimizer:
-    """Create the optimizer's per-parameter state as zeros, exactly as its first step would.
-
-    hivemind runs a virtual optimizer step with zero gradients (at the base learning rate, before the
-    scheduler exists) to create missing state; with weight decay that step shrinks the weights and it
-    advances the step counter, so collaborative training would no longer equal plain training. A task's
-    ``make_optimizer`` calls this so that no backend ever takes such a step.
-    """
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state[param]
-            for name in state_names:
-                state.setdefault(name, torch.zeros_like(param, memory_format=torch.preserve_format))
-    return optimizer
-
-
-def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Make ``optimizer.step`` a no-op (with a warning) when any gradient is NaN/Inf.
-
-    A partial all-reduce can hand every peer of a round the same non-finite averaged gradient (hivemind divides a
-    part by the total weight it received, which is 0 when only zero-weight peers got through). Skipping such a
-    step, like an AMP grad scaler does, keeps every peer's parameters finite and still identical.
-    """
-    take_step = optimizer.step
-
-    def guarded_step(self, *args, **kwargs):
-        gradients = [param.grad for group in self.param_groups for param in group["params"] if param.grad is not None]
-        if not all(bool(torch.isfinite(gradient).all()) for gradient in gradients):
-            logger.warning("the averaged gradient is not finite (a partial averaging round): optimizer step skipped")
-            return None
-        return take_step(*args, **kwargs)
-
-    # a bound method, as torch's LR schedulers expect when they wrap optimizer.step
-    optimizer.step = types.MethodType(guarded_step, optimizer)
-    return optimizer
 
 
 def make_compression(kind: Compression) -> CompressionBase:
@@ -104,9 +65,7 @@ def make_collaborative_optimizer(
     flags = SEMANTICS[collab.semantics]
     compression = make_compression(collab.compression)
     averager_opts = {"bandwidth": collab.bandwidth} if collab.bandwidth is not None else {}
-    # A late joiner's downloaded state fast-forwards its LR schedule to the swarm's step (hivemind steps the
-    # scheduler without an optimizer step); that is intended, but torch warns as if the call order were wrong.
-    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
+    silence_schedule_fast_forward_warning()
     return hivemind.Optimizer(
         dht=dht,
         run_id=collab.run_id,
@@ -123,9 +82,7 @@ def make_collaborative_optimizer(
         delay_optimizer_step=flags.delay_optimizer_step,
         delay_grad_averaging=flags.delay_grad_averaging,
         auxiliary=auxiliary,
-        # hivemind 1.1.12 inverts its None check and then takes dht.client_mode only for a non-None value;
-        # without it a client-mode trainer crashes at its first epoch (state_sharing_priority on a client averager)
-        client_mode=dht.client_mode,
+        client_mode=client_mode_argument(dht),
         grad_compression=compression,
         state_averaging_compression=compression,
         averager_opts=averager_opts,

@@ -1,4 +1,5 @@
 """What every role does first: parse its command line, load the config, start its DHT node, announce itself."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,8 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.auth import AuthorizerBase
 
-from common.config import RunConfig, load_config
 from common.bandwidth import bandwidth_for_averager, measure_link_to_initial_peer, serve_bandwidth_probe
+from common.config import RunConfig, load_config
 from common.dht import join_command, start_dht, visible_multiaddrs
 from common.metrics import make_validators
 
@@ -36,8 +37,12 @@ def parse_role_arguments(role: str, argv: Optional[Sequence[str]] = None, modera
     if moderated:
         parser.add_argument("--auth-server", default=None, help="URL of scripts/auth_server.py (moderated runs)")
     parser.add_argument("--config", required=True, help="YAML file under configs/")
-    parser.add_argument("--initial-peers", nargs="*", default=None,
-                        help="multiaddrs of any peer already in the swarm (printed by every running peer)")
+    parser.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=None,
+        help="multiaddrs of any peer already in the swarm (printed by every running peer)",
+    )
     parser.add_argument("--name", default=None, help="this peer's name in logs and the leaderboard")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. training.max_global_steps=20")
     args = parser.parse_args(argv)
@@ -47,8 +52,12 @@ def parse_role_arguments(role: str, argv: Optional[Sequence[str]] = None, modera
     config = load_config(args.config, overrides)
     if args.initial_peers is not None:
         config.network.initial_peers = peers
-    return RoleArguments(config=config, config_path=args.config, name=args.name or role,
-                         auth_server=args.auth_server if moderated else None)
+    return RoleArguments(
+        config=config,
+        config_path=args.config,
+        name=args.name or role,
+        auth_server=args.auth_server if moderated else None,
+    )
 
 
 def _looks_like_override(item: str) -> bool:
@@ -62,7 +71,9 @@ def link_bandwidth(dht: hivemind.DHT, config: RunConfig) -> Optional[float]:
     if not collab.measure_bandwidth or not config.network.initial_peers:
         return bandwidth_for_averager(collab.bandwidth, None)
     try:
-        measurement = measure_link_to_initial_peer(dht, config.network.initial_peers[0], collab.bandwidth_probe_seconds)
+        measurement = measure_link_to_initial_peer(
+            dht, config.network.initial_peers[0], collab.bandwidth_probe_seconds
+        )
     except Exception as error:  # a failed probe must not stop a volunteer from joining
         logger.warning(f"bandwidth measurement failed ({type(error).__name__}: {error}); using the declared value")
         measurement = None
@@ -76,8 +87,13 @@ def device_for(config: RunConfig) -> torch.device:
     return torch.device(wanted)
 
 
-def start_peer_dht(config: RunConfig, output_dir: Path, join_script: str, config_path: str,
-                   authorizer: Optional[AuthorizerBase] = None) -> hivemind.DHT:
+def start_peer_dht(
+    config: RunConfig,
+    output_dir: Path,
+    join_script: str,
+    config_path: str,
+    authorizer: Optional[AuthorizerBase] = None,
+) -> hivemind.DHT:
     """Start the DHT with the metrics validators, write our addresses, and log the volunteer join command."""
     validators: List = make_validators(config.collaboration.run_id, RSASignatureValidator())
     dht = start_dht(config.network, validators, authorizer)

@@ -1,4 +1,5 @@
 """The end-of-run report of a local swarm: summary.json, a loss-curve PNG and a short text table."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import torch
 
 from common.metrics import HistoryWriter
 from common.roles.trainer import FINAL_STATE_FILE, SUMMARY_FILE
-
 
 NOT_AVERAGED = ("running_mean", "running_var", "num_batches_tracked", "position_ids", "token_type_ids")
 
@@ -31,6 +31,16 @@ def max_parameter_difference(state_paths: List[Path]) -> Optional[float]:
     return largest
 
 
+def loss_components(history: List[dict]) -> List[str]:
+    """The task's partial losses (metrics named ``*_loss``), plotted beside the total."""
+    return sorted(name for name in (history[0]["metrics"] if history else {}) if name.endswith("_loss"))
+
+
+def quality_metrics(metrics: Dict[str, float]) -> List[str]:
+    """The task's other metrics (accuracies and the like), reported first -> last."""
+    return sorted(name for name in metrics if not name.endswith("_loss"))
+
+
 def plot_history(history: List[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -38,12 +48,12 @@ def plot_history(history: List[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     steps = [entry["step"] for entry in history]
-    figure, (loss_axis, peers_axis) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
-                                                   gridspec_kw={"height_ratios": [3, 1]})
+    figure, (loss_axis, peers_axis) = plt.subplots(
+        2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
     loss_axis.plot(steps, [entry["loss"] for entry in history], marker="o", label="total loss")
-    for metric in ("mlm_loss", "sop_loss"):
-        if history and metric in history[0]["metrics"]:
-            loss_axis.plot(steps, [entry["metrics"].get(metric) for entry in history], label=metric, alpha=0.7)
+    for metric in loss_components(history):
+        loss_axis.plot(steps, [entry["metrics"].get(metric) for entry in history], label=metric, alpha=0.7)
     loss_axis.set_ylabel("loss (sample-weighted over peers)")
     loss_axis.set_title(title)
     loss_axis.legend()
@@ -57,16 +67,18 @@ def plot_history(history: List[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def build_report(run_dir: Path, trainer_names: List[str], monitor_name: str, wall_seconds: float,
-                 agreement_tolerance: float) -> Dict:
+def build_report(
+    run_dir: Path, trainer_names: List[str], monitor_name: str, wall_seconds: float, agreement_tolerance: float
+) -> Dict:
     history = HistoryWriter(run_dir / monitor_name).read()
     summaries = {}
     for name in trainer_names:
         summary_path = run_dir / name / SUMMARY_FILE
         if summary_path.exists():
             summaries[name] = json.loads(summary_path.read_text())
-    state_paths = [run_dir / name / FINAL_STATE_FILE for name in trainer_names
-                   if (run_dir / name / FINAL_STATE_FILE).exists()]
+    state_paths = [
+        run_dir / name / FINAL_STATE_FILE for name in trainer_names if (run_dir / name / FINAL_STATE_FILE).exists()
+    ]
     contributions: Dict[str, int] = {}
     for entry in history:
         for peer, samples in entry["contributions"].items():
@@ -100,18 +112,26 @@ def format_report(report: Dict) -> str:
         f"trainers: {report['trainers']} (finished: {report['trainers_finished']}), "
         f"global steps: {report['global_steps']}, wall time: {report['wall_seconds']:.0f} s",
         f"loss: {report['loss_first']:.4f} (first step) -> {report['loss_last']:.4f} (last step)"
-        if report["loss_first"] is not None else "loss: no steps recorded",
+        if report["loss_first"] is not None
+        else "loss: no steps recorded",
     ]
-    for name in ("mlm_accuracy", "sop_accuracy"):
-        if name in report["metrics_last"]:
+    for name in quality_metrics(report["metrics_last"]):
+        if name in report["metrics_first"]:
             lines.append(f"{name}: {report['metrics_first'][name]:.3f} -> {report['metrics_last'][name]:.3f}")
     lines.append(f"trainers per step: {report['peers_per_step']}")
     lines.append("peer         samples  samples/s")
     for name in sorted(report["samples_per_second"]):
-        lines.append(f"{name:<12} {report['samples_contributed'].get(name, 0):>7}  "
-                     f"{report['samples_per_second'][name]:>9.1f}")
+        lines.append(
+            f"{name:<12} {report['samples_contributed'].get(name, 0):>7}  {report['samples_per_second'][name]:>9.1f}"
+        )
     difference = report["max_param_diff"]
     verdict = "same" if report["params_agree"] else "DIFFERENT"
-    lines.append("trainers' parameters: " + ("n/a (fewer than 2 trainers)" if difference is None else
-                 f"max |difference| = {difference:.2e} ({verdict} within {report['agreement_tolerance']:.1e})"))
+    lines.append(
+        "trainers' parameters: "
+        + (
+            "n/a (fewer than 2 trainers)"
+            if difference is None
+            else f"max |difference| = {difference:.2e} ({verdict} within {report['agreement_tolerance']:.1e})"
+        )
+    )
     return "\n".join(lines)

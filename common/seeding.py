@@ -1,4 +1,5 @@
 """Stable seeds: the same inputs give the same seed on every machine and Python version (no ``hash()``)."""
+
 from __future__ import annotations
 
 import hashlib

@@ -5,6 +5,7 @@ here is stopped here: SIGTERM to the peer first (it shuts its optimizer and DHT 
 whole process group, so no DHT process or p2pd daemon outlives the swarm. A launcher that is itself killed
 (SIGKILL, OOM) cannot clean up; on Linux its peers then get SIGTERM from the kernel (parent-death signal).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -32,10 +33,12 @@ ROLE_SCRIPTS = {"monitor": "scripts/monitor.py", "trainer": "scripts/train.py", 
 def _terminate_with_launcher(launcher_pid: int) -> Callable[[], None]:
     """Runs in the child between fork and exec (so it only calls a function resolved beforehand): the kernel sends
     the peer SIGTERM -- its graceful shutdown -- when the launcher's thread that started it dies."""
+
     def set_parent_death_signal() -> None:
         _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
         if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
             os._exit(1)
+
     return set_parent_death_signal
 
 
@@ -70,8 +73,9 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-def stop_process_group(process: subprocess.Popen, graceful: bool = True, grace_seconds: float = 20.0,
-                       already_signalled: bool = False) -> None:
+def stop_process_group(
+    process: subprocess.Popen, graceful: bool = True, grace_seconds: float = 20.0, already_signalled: bool = False
+) -> None:
     """SIGTERM the peer (graceful) and wait, then SIGKILL whatever is left of its process group.
 
     A peer treats a second SIGTERM as "exit now", so ``already_signalled`` peers are only waited for.
@@ -102,10 +106,15 @@ def stop_process_group(process: subprocess.Popen, graceful: bool = True, grace_s
 class LocalSwarm:
     """Starts and stops peers of one run; use as a context manager so everything is cleaned up."""
 
-    def __init__(self, config_path: str, output_dir: Path, overrides: Sequence[str] = (),
-                 command_prefix: Optional[Callable[[str], List[str]]] = None,
-                 host_overrides: Optional[Callable[[str], List[str]]] = None,
-                 environment: Optional[Dict[str, str]] = None):
+    def __init__(
+        self,
+        config_path: str,
+        output_dir: Path,
+        overrides: Sequence[str] = (),
+        command_prefix: Optional[Callable[[str], List[str]]] = None,
+        host_overrides: Optional[Callable[[str], List[str]]] = None,
+        environment: Optional[Dict[str, str]] = None,
+    ):
         self.config_path, self.output_dir, self.overrides = config_path, Path(output_dir), list(overrides)
         self.command_prefix = command_prefix  # e.g. ["ip", "netns", "exec", ns] to place a peer in a namespace
         self.host_overrides = host_overrides  # e.g. network.host_maddrs for that namespace's address
@@ -120,29 +129,50 @@ class LocalSwarm:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def start(self, role: str, name: str, extra_overrides: Sequence[str] = (), initial_peers: bool = True) -> PeerProcess:
+    def start(
+        self, role: str, name: str, extra_overrides: Sequence[str] = (), initial_peers: bool = True
+    ) -> PeerProcess:
         if name in self.peers and self.peers[name].alive():
             raise ValueError(f"peer {name} is already running")
         output_dir = self.output_dir / name
         output_dir.mkdir(parents=True, exist_ok=True)
-        command = [*(self.command_prefix(name) if self.command_prefix else []), sys.executable,
-                   str(ROOT / ROLE_SCRIPTS[role]), "--config", self.config_path, "--name", name]
+        command = [
+            *(self.command_prefix(name) if self.command_prefix else []),
+            sys.executable,
+            str(ROOT / ROLE_SCRIPTS[role]),
+            "--config",
+            self.config_path,
+            "--name",
+            name,
+        ]
         if initial_peers and self.initial_peers:
             command += ["--initial-peers", *self.initial_peers]
-        command += [*self.overrides, f"training.output_dir={output_dir}",
-                    *(self.host_overrides(name) if self.host_overrides else []), *extra_overrides]
+        command += [
+            *self.overrides,
+            f"training.output_dir={output_dir}",
+            *(self.host_overrides(name) if self.host_overrides else []),
+            *extra_overrides,
+        ]
         log = (output_dir / "peer.log").open("ab")
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=self.environment, start_new_session=True,
-                                   preexec_fn=_terminate_with_launcher(os.getpid()) if _PRCTL else None)
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.environment,
+            start_new_session=True,
+            preexec_fn=_terminate_with_launcher(os.getpid()) if _PRCTL else None,
+        )
         log.close()
         peer = PeerProcess(name=name, role=role, output_dir=output_dir, process=process)
         self.peers[name] = peer
         logger.info(f"started {role} {name} (pid {process.pid})")
         return peer
 
-    def start_first_peer(self, role: str = "monitor", name: str = "monitor", extra_overrides: Sequence[str] = (),
-                         timeout: float = 120.0) -> PeerProcess:
+    def start_first_peer(
+        self, role: str = "monitor", name: str = "monitor", extra_overrides: Sequence[str] = (), timeout: float = 120.0
+    ) -> PeerProcess:
         """Start the bootstrap peer and wait for its multiaddrs; later peers join through them."""
         address_file = self.output_dir / name / ADDRESS_FILE
         address_file.unlink(missing_ok=True)
@@ -175,13 +205,25 @@ class LocalSwarm:
                     pass
         deadline = time.monotonic() + grace_seconds
         for peer in peers:
-            stop_process_group(peer.process, graceful=graceful, grace_seconds=max(0.1, deadline - time.monotonic()),
-                               already_signalled=graceful)
-            logger.info(f"stopped {peer.role} {peer.name} ({'SIGTERM' if graceful else 'SIGKILL'}), exit code "
-                        f"{peer.process.returncode}")
+            stop_process_group(
+                peer.process,
+                graceful=graceful,
+                grace_seconds=max(0.1, deadline - time.monotonic()),
+                already_signalled=graceful,
+            )
+            logger.info(
+                f"stopped {peer.role} {peer.name} ({'SIGTERM' if graceful else 'SIGKILL'}), exit code "
+                f"{peer.process.returncode}"
+            )
 
-    def wait(self, names: Sequence[str], timeout: float, on_tick: Optional[Callable[[], None]] = None,
-             tick_seconds: float = 10.0, should_stop: Callable[[], bool] = lambda: False) -> bool:
+    def wait(
+        self,
+        names: Sequence[str],
+        timeout: float,
+        on_tick: Optional[Callable[[], None]] = None,
+        tick_seconds: float = 10.0,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> bool:
         """Wait until the named peers exit; False if the deadline passed (or ``should_stop``) first."""
         deadline, last_tick = time.monotonic() + timeout, time.monotonic()
         while any(self.peers[name].alive() for name in names):

@@ -1,4 +1,5 @@
 """The experiment interface: what an experiment (ALBERT, SwAV, ...) gives the one training loop."""
+
 from __future__ import annotations
 
 import abc

@@ -3,6 +3,7 @@
 micro-batch -> forward -> (non-finite guard) -> backward -> task hook -> backend.step -> per-step record.
 The backend decides when a global step happens; the loop only counts what this process contributed.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,11 @@ class StepAccumulator:
         now = time.time()
         samples = max(self.samples, 1)
         return StepRecord(
-            step=self.step, samples=self.samples, loss=float(self.loss_sum / samples),
-            seconds=float(max(0.0, now - self.started)), time=float(now),
+            step=self.step,
+            samples=self.samples,
+            loss=float(self.loss_sum / samples),
+            seconds=float(max(0.0, now - self.started)),
+            time=float(now),
             metrics={name: float(total / samples) for name, total in self.metric_sums.items()},
         )
 
@@ -75,13 +79,30 @@ def _all_finite(parameters) -> bool:
 
 
 class Trainer:
-    def __init__(self, task: Task, backend: TrainingBackend, *, peer_name: str, stream_seed: int,
-                 max_global_steps: int, max_wall_seconds: Optional[float], output_dir: Path,
-                 device: torch.device, precision: str = "fp32", log_every_seconds: float = 10.0,
-                 record_sample_ids: bool = False, skip_nonfinite: bool = True, inject_nonfinite_every: int = 0,
-                 stop: Optional[StopFlag] = None):
+    def __init__(
+        self,
+        task: Task,
+        backend: TrainingBackend,
+        *,
+        peer_name: str,
+        stream_seed: int,
+        max_global_steps: int,
+        max_wall_seconds: Optional[float],
+        output_dir: Path,
+        device: torch.device,
+        precision: str = "fp32",
+        log_every_seconds: float = 10.0,
+        record_sample_ids: bool = False,
+        skip_nonfinite: bool = True,
+        inject_nonfinite_every: int = 0,
+        stop: Optional[StopFlag] = None,
+    ):
         self.task, self.backend, self.peer_name = task, backend, peer_name
-        self.stream_seed, self.max_global_steps, self.max_wall_seconds = stream_seed, max_global_steps, max_wall_seconds
+        self.stream_seed, self.max_global_steps, self.max_wall_seconds = (
+            stream_seed,
+            max_global_steps,
+            max_wall_seconds,
+        )
         self.output_dir, self.device, self.precision = output_dir, device, precision
         self.log_every_seconds, self.record_sample_ids = log_every_seconds, record_sample_ids
         self.skip_nonfinite, self.stop = skip_nonfinite, stop or StopFlag()
@@ -146,7 +167,9 @@ class Trainer:
                     output.loss.backward()
             if not finite:
                 skipped += 1
-                logger.warning(f"non-finite loss ({loss_value}) at step {self.backend.global_step}: micro-batch skipped")
+                logger.warning(
+                    f"non-finite loss ({loss_value}) at step {self.backend.global_step}: micro-batch skipped"
+                )
                 self.backend.zero_grad()
                 continue
             self.task.after_backward(self.task.model, self.backend.global_step)
@@ -179,12 +202,18 @@ class Trainer:
                 self._log_progress(started, samples_total)
 
         summary = TrainingSummary(
-            peer_name=self.peer_name, global_steps=self.backend.global_step, samples=samples_total,
-            wall_seconds=time.time() - started, compute_seconds=compute_seconds,
-            skipped_nonfinite=skipped, stopped_by=stopped_by,
+            peer_name=self.peer_name,
+            global_steps=self.backend.global_step,
+            samples=samples_total,
+            wall_seconds=time.time() - started,
+            compute_seconds=compute_seconds,
+            skipped_nonfinite=skipped,
+            stopped_by=stopped_by,
         )
-        logger.info(f"stopped ({stopped_by}) at global step {summary.global_steps}: {summary.samples} samples, "
-                    f"{summary.samples_per_second:.1f} samples/s")
+        logger.info(
+            f"stopped ({stopped_by}) at global step {summary.global_steps}: {summary.samples} samples, "
+            f"{summary.samples_per_second:.1f} samples/s"
+        )
         return summary
 
     def _log_progress(self, started: float, samples_total: int) -> None:
@@ -196,5 +225,7 @@ class Trainer:
         if step > 0:
             seconds_left = (self.max_global_steps - step) * elapsed / step
             eta = f" | ETA {seconds_left / 60:.1f} min"
-        logger.info(f"step {step}/{self.max_global_steps} | loss {loss} | "
-                    f"{samples_total / max(elapsed, 1e-9):.1f} samples/s{eta}")
+        logger.info(
+            f"step {step}/{self.max_global_steps} | loss {loss} | "
+            f"{samples_total / max(elapsed, 1e-9):.1f} samples/s{eta}"
+        )

@@ -1,4 +1,5 @@
 """Put the repository root on sys.path so ``python scripts/<name>.py`` works from anywhere."""
+
 import sys
 from pathlib import Path
 

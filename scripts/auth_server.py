@@ -1,11 +1,13 @@
 """sahajBERT authorization server: an allowlist and signed, expiring access tokens for peers.
 
-  python scripts/auth_server.py add-user --allowlist allowlist.json --username alice [--access-expires 2026-12-31T00:00:00+00:00]
+  python scripts/auth_server.py add-user --allowlist allowlist.json --username alice \
+      [--access-expires 2026-12-31T00:00:00+00:00]
       (password from $DEDLOC_PASSWORD or a prompt; only its scrypt hash is stored)
   python scripts/auth_server.py serve --allowlist allowlist.json [--host 127.0.0.1] [--port 8765] [--token-minutes 60]
 
 The server's signing key lives in memory: after a restart peers simply fetch new tokens.
 """
+
 import argparse
 import getpass
 import logging
@@ -14,7 +16,6 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from hivemind.utils.crypto import RSAPrivateKey
 
 from common.auth import AllowlistEntry, AuthorizationService, AuthServer, hash_password, load_allowlist, save_allowlist
@@ -46,11 +47,14 @@ def serve(args: argparse.Namespace) -> None:
     if args.token_minutes <= 0:
         raise ConfigError("--token-minutes must be > 0")
     stop = StopFlag().install()
-    service = AuthorizationService(load_allowlist(Path(args.allowlist)), RSAPrivateKey(),
-                                   timedelta(minutes=args.token_minutes))
+    service = AuthorizationService(
+        load_allowlist(Path(args.allowlist)), RSAPrivateKey(), timedelta(minutes=args.token_minutes)
+    )
     server = AuthServer(service, args.host, args.port).start()
-    logger.info(f"authorization server for {len(service.allowlist)} users at {server.url} "
-                f"(volunteers pass --auth-server {server.url})")
+    logger.info(
+        f"authorization server for {len(service.allowlist)} users at {server.url} "
+        f"(volunteers pass --auth-server {server.url})"
+    )
     try:
         while not stop.wait(1.0):
             pass

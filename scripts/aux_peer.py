@@ -1,6 +1,7 @@
 """Auxiliary peer (CPU, no data, helps average): ``python scripts/aux_peer.py --config ... --initial-peers ...``.
 
 In a moderated run add ``--auth-server URL`` (credentials from $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt)."""
+
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
 from common.auth import authorize

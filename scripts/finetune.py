@@ -8,17 +8,24 @@ Tasks: wikiann_bn (NER F1) and sna_bn (accuracy) from the hub at full scale; off
 tokenizer come from the pretraining run's config (same task.* settings and cache); --checkpoint omitted means
 a randomly initialised encoder (the no-pretraining baseline).
 """
+
 import argparse
 import json
 import logging
 from pathlib import Path
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 import torch
 
-from albert.finetune import SEQUENCE_TASKS, TOKEN_TASKS, FinetuneSettings, finetune_one_seed, load_sequence_task, \
-    load_token_task, summarise
+from albert.sahajbert.downstream import (
+    SEQUENCE_TASKS,
+    TOKEN_TASKS,
+    FinetuneSettings,
+    finetune_one_seed,
+    load_sequence_task,
+    load_token_task,
+    summarise,
+)
 from albert.task import build_dataset, build_model
 from common.config import load_config
 from common.errors import ConfigError, DataError, exit_on_user_error
@@ -47,9 +54,14 @@ def main() -> None:
     if args.seeds < 1:
         raise ConfigError("--seeds must be >= 1")
     try:
-        settings = FinetuneSettings(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                                    max_length=args.max_length, max_train_examples=args.max_train_examples,
-                                    max_eval_examples=args.max_eval_examples)
+        settings = FinetuneSettings(
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            learning_rate=args.learning_rate,
+            max_length=args.max_length,
+            max_train_examples=args.max_train_examples,
+            max_eval_examples=args.max_eval_examples,
+        )
     except ValueError as error:
         raise ConfigError(str(error)) from None
     setup_logging("finetune")
@@ -66,14 +78,26 @@ def main() -> None:
         pretrained = torch.load(args.checkpoint, map_location="cpu")
     kind = "token" if args.task in TOKEN_TASKS else "sequence"
     splits = (load_token_task if kind == "token" else load_sequence_task)(args.task, seed=0)
-    logger.info(f"{args.task}: {len(splits.train)} train / {len(splits.validation)} validation / "
-                f"{len(splits.test)} test examples, {len(splits.labels)} labels")
-    runs = [finetune_one_seed(kind, splits, tokenizer, model_config, pretrained, settings, seed)
-            for seed in range(args.seeds)]
-    summary = {"task": args.task, "metric": "seqeval_f1" if kind == "token" else "accuracy",
-               "config": args.config, "checkpoint": args.checkpoint, "settings": vars(settings), **summarise(runs)}
-    logger.info(f"{args.task} ({summary['metric']}): {100 * summary['test_mean']:.2f} +- "
-                f"{100 * summary['test_std']:.2f} over {args.seeds} seeds")
+    logger.info(
+        f"{args.task}: {len(splits.train)} train / {len(splits.validation)} validation / "
+        f"{len(splits.test)} test examples, {len(splits.labels)} labels"
+    )
+    runs = [
+        finetune_one_seed(kind, splits, tokenizer, model_config, pretrained, settings, seed)
+        for seed in range(args.seeds)
+    ]
+    summary = {
+        "task": args.task,
+        "metric": "seqeval_f1" if kind == "token" else "accuracy",
+        "config": args.config,
+        "checkpoint": args.checkpoint,
+        "settings": vars(settings),
+        **summarise(runs),
+    }
+    logger.info(
+        f"{args.task} ({summary['metric']}): {100 * summary['test_mean']:.2f} +- "
+        f"{100 * summary['test_std']:.2f} over {args.seeds} seeds"
+    )
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")

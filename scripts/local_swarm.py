@@ -4,7 +4,6 @@
 
 Shows progress while it runs and ends with a report (also in <output>/summary.json and loss_curve.png).
 """
-import _bootstrap  # noqa: F401  (repository root on sys.path)
 
 import argparse
 import contextlib
@@ -12,6 +11,8 @@ import json
 import logging
 import time
 from pathlib import Path
+
+import _bootstrap  # noqa: F401  (repository root on sys.path)
 
 from common.config import load_config
 from common.errors import UserError, exit_on_user_error
@@ -30,9 +31,12 @@ def parse_arguments():
     parser.add_argument("--aux", type=int, default=1, help="auxiliary peers")
     parser.add_argument("--output", default=None, help="run folder (default: training.output_dir from the config)")
     parser.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
-    parser.add_argument("--network-setup", default=None,
-                        help="configs/network/*.yaml: run every peer in its own network namespace with that host's "
-                             "rate limits (needs root); --trainers/--aux then come from the setup's hosts")
+    parser.add_argument(
+        "--network-setup",
+        default=None,
+        help="configs/network/*.yaml: run every peer in its own network namespace with that host's "
+        "rate limits (needs root); --trainers/--aux then come from the setup's hosts",
+    )
     parser.add_argument("overrides", nargs="*")
     return parser.parse_args()
 
@@ -48,7 +52,7 @@ def main() -> None:
     output = Path(args.output or config.training.output_dir)
     network = None
     if args.network_setup:
-        from common.netns import EmulatedNetwork, load_network_setup
+        from common.tools.netns import EmulatedNetwork, load_network_setup
 
         setup = load_network_setup(args.network_setup)
         roles = {host.name: host.role for host in setup.hosts}
@@ -73,25 +77,33 @@ def main() -> None:
             return
         step, elapsed = history[-1]["step"] + 1, time.time() - started
         eta = (max_steps - step) * elapsed / step
-        logger.info(f"global step {step}/{max_steps} | loss {history[-1]['loss']:.4f} | "
-                    f"{history[-1]['peers']} trainers | elapsed {elapsed:.0f} s | ETA {eta:.0f} s")
+        logger.info(
+            f"global step {step}/{max_steps} | loss {history[-1]['loss']:.4f} | "
+            f"{history[-1]['peers']} trainers | elapsed {elapsed:.0f} s | ETA {eta:.0f} s"
+        )
 
     with contextlib.ExitStack() as stack:
         if network is not None:
             stack.enter_context(network)
             logger.info("emulated hosts: " + "; ".join(f"{name}: {link}" for name, link in network.describe().items()))
-        swarm = stack.enter_context(LocalSwarm(
-            args.config, output, overrides,
-            command_prefix=network.command_prefix_for if network is not None else None,
-            host_overrides=network.peer_overrides if network is not None else None))
+        swarm = stack.enter_context(
+            LocalSwarm(
+                args.config,
+                output,
+                overrides,
+                command_prefix=network.command_prefix_for if network is not None else None,
+                host_overrides=network.peer_overrides if network is not None else None,
+            )
+        )
         swarm.start_first_peer("monitor", monitor_name)
         logger.info(f"monitor is up at {swarm.initial_peers[0]}")
         for name in aux_names:
             swarm.start("auxiliary", name)
         for name in trainer_names:
             swarm.start("trainer", name)
-        swarm.wait(trainer_names, timeout=args.timeout, on_tick=show_progress, tick_seconds=15,
-                   should_stop=stop.is_set)
+        swarm.wait(
+            trainer_names, timeout=args.timeout, on_tick=show_progress, tick_seconds=15, should_stop=stop.is_set
+        )
         finished = not any(swarm.peers[name].alive() for name in trainer_names)
         if not finished:
             logger.warning("stopping before the trainers finished (signal or --timeout)")
@@ -99,8 +111,9 @@ def main() -> None:
         time.sleep(2 * config.monitor.refresh_seconds + 1)  # let the monitor record the last steps
         swarm.stop_many([name for name in swarm.peers if name not in trainer_names])
         failed = {name: peer.process.returncode for name, peer in swarm.peers.items() if peer.process.returncode}
-    report = build_report(output, trainer_names, monitor_name, time.time() - started,
-                          config.collaboration.agreement_tolerance)
+    report = build_report(
+        output, trainer_names, monitor_name, time.time() - started, config.collaboration.agreement_tolerance
+    )
     report["exit_codes"] = failed
     (output / "summary.json").write_text(json.dumps(report, indent=2))
     logger.info("run report (%s):\n%s", output / "summary.json", format_report(report))

@@ -1,6 +1,7 @@
 """Monitor peer (first peer of a run): ``python scripts/monitor.py --config configs/albert/tiny.yaml``.
 
 In a moderated run add ``--auth-server URL`` (credentials from $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt)."""
+
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
 from common.auth import authorize

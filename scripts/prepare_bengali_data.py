@@ -3,13 +3,13 @@
 Needs ``apt-get update`` to have run (it calls ``apt-get download``; nothing is installed) and wordfreq.
 Writes ``<output>/wikipedia_standin/ui_strings.jsonl`` and ``<output>/oscar_standin/word_lists.jsonl``.
 """
+
 import argparse
+from pathlib import Path
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
-from pathlib import Path
-
-from albert.bengali_corpus import prepare_bengali_sources
+from albert.sahajbert.corpus import prepare_bengali_sources
 from common.errors import ConfigError, exit_on_user_error
 from common.lifecycle import setup_logging
 
@@ -20,8 +20,12 @@ DEFAULT_OUTPUT = ".cache/bengali"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="folder for the two sources (git-ignored)")
-    parser.add_argument("--wordfreq-words", type=int, default=250_000,
-                        help="how many of wordfreq's most frequent Bengali words to include")
+    parser.add_argument(
+        "--wordfreq-words",
+        type=int,
+        default=250_000,
+        help="how many of wordfreq's most frequent Bengali words to include",
+    )
     args = parser.parse_args()
     if args.wordfreq_words <= 0:
         raise ConfigError("--wordfreq-words must be > 0")

@@ -5,7 +5,6 @@
 
 Without ``--state`` the configured model's seeded random initialisation is evaluated (the baseline).
 """
-import _bootstrap  # noqa: F401  (repository root on sys.path)
 
 import argparse
 import csv
@@ -13,6 +12,7 @@ import json
 import logging
 from pathlib import Path
 
+import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 
 from common.config import load_config
@@ -22,8 +22,17 @@ from swav.linear_eval import evaluate, large_crop_size, load_model
 
 logger = logging.getLogger("swav_linear_eval")
 
-CSV_FIELDS = ["label", "state", "linear_top1", "knn_top1", "train_images", "test_images", "feature_dim",
-              "eval_seconds", "command"]
+CSV_FIELDS = [
+    "label",
+    "state",
+    "linear_top1",
+    "knn_top1",
+    "train_images",
+    "test_images",
+    "feature_dim",
+    "eval_seconds",
+    "command",
+]
 
 
 def parse_arguments():
@@ -52,13 +61,26 @@ def main() -> None:
     if config.task_module != "swav":
         raise ConfigError(f"{args.config} is not a SwAV config (task_module: {config.task_module})")
     model = load_model(config, args.state)
-    result = evaluate(model, large_crop_size(config.task.crop_sizes), config.task.fashion_mnist_dir,
-                      args.max_train, args.max_test, args.knn_k)
+    result = evaluate(
+        model,
+        large_crop_size(config.task.crop_sizes),
+        config.task.fashion_mnist_dir,
+        args.max_train,
+        args.max_test,
+        args.knn_k,
+    )
     label = args.label or (args.state or "random_init")
-    row = {"label": label, "state": args.state or "", "linear_top1": f"{result.linear_top1:.4f}",
-           "knn_top1": f"{result.knn_top1:.4f}", "train_images": result.train_images,
-           "test_images": result.test_images, "feature_dim": result.feature_dim,
-           "eval_seconds": f"{result.seconds:.1f}", "command": args.command}
+    row = {
+        "label": label,
+        "state": args.state or "",
+        "linear_top1": f"{result.linear_top1:.4f}",
+        "knn_top1": f"{result.knn_top1:.4f}",
+        "train_images": result.train_images,
+        "test_images": result.test_images,
+        "feature_dim": result.feature_dim,
+        "eval_seconds": f"{result.seconds:.1f}",
+        "command": args.command,
+    }
     logger.info(json.dumps(row))
     if args.csv:
         path = Path(args.csv)

@@ -5,14 +5,15 @@ Metaspace with isolated digits and punctuation; ``[CLS] A [SEP] B [SEP]``) on a 
 
 The output folder loads with ``transformers.AutoTokenizer.from_pretrained`` and can be given as task.tokenizer.
 """
+
 import argparse
 import logging
 from pathlib import Path
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
-from albert.bengali_data import BENGALI_STREAM, tokenizer_training_texts
-from albert.bengali_tokenizer import train_bengali_tokenizer
+from albert.sahajbert.data import BENGALI_STREAM, tokenizer_training_texts
+from albert.sahajbert.tokenizer import train_bengali_tokenizer
 from common.config import load_config
 from common.errors import ConfigError, exit_on_user_error
 from common.lifecycle import setup_logging

@@ -6,6 +6,7 @@
 Credentials come from $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt. Refusals (not allowlisted, wrong
 password, expired access, unreachable server) end with one line naming the problem.
 """
+
 import argparse
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
@@ -22,8 +23,11 @@ def main() -> None:
     stop = StopFlag().install()
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--auth-server", required=True, help="URL of scripts/auth_server.py")
-    parser.add_argument("--server-mode", action="store_true",
-                        help="accept inbound connections (only if this machine is reachable; default: client mode)")
+    parser.add_argument(
+        "--server-mode",
+        action="store_true",
+        help="accept inbound connections (only if this machine is reachable; default: client mode)",
+    )
     own, rest = parser.parse_known_args()
     setup_logging("volunteer")
     authorizer = authorize(own.auth_server)  # refusals surface here, before the model, data or DHT are built

@@ -4,6 +4,7 @@ Augmentations are lightly's ``SwaVTransform`` (random resized crops per resoluti
 grey-scale, Gaussian blur, normalisation). Each sample's views depend only on (data seed, sample id, pass), so
 two runs that see the same samples see the same crops, whichever peer draws them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,18 @@ logger = logging.getLogger(__name__)
 FASHION_MNIST = "fashion_mnist"
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
-FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
-                         "Bag", "Ankle boot")
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 IDX_IMAGES_MAGIC = 2051  # unsigned bytes, 3 dimensions
 IDX_LABELS_MAGIC = 2049  # unsigned bytes, 1 dimension
 
@@ -43,8 +54,10 @@ def _read_idx(path: Path, magic: int, header_bytes: int) -> Tuple[np.ndarray, Tu
         with gzip.open(path, "rb") as stream:
             raw = stream.read()
     except FileNotFoundError:
-        raise DataError(f"Fashion-MNIST file {path} is missing: install the Debian package "
-                        f"'{FASHION_MNIST_PACKAGE}' (apt-get install -y {FASHION_MNIST_PACKAGE})") from None
+        raise DataError(
+            f"Fashion-MNIST file {path} is missing: install the Debian package "
+            f"'{FASHION_MNIST_PACKAGE}' (apt-get install -y {FASHION_MNIST_PACKAGE})"
+        ) from None
     except (OSError, EOFError) as error:
         raise DataError(f"cannot read IDX file {path}: {error}") from None
     header = np.frombuffer(raw[:header_bytes], dtype=">u4")
@@ -95,8 +108,10 @@ class FolderImages:
         from torchvision.datasets import ImageFolder
 
         if not Path(root).is_dir():
-            raise DataError(f"image folder {root!r} does not exist (task.dataset must be '{FASHION_MNIST}' "
-                            "or an ImageFolder root such as /data/imagenet/train)")
+            raise DataError(
+                f"image folder {root!r} does not exist (task.dataset must be '{FASHION_MNIST}' "
+                "or an ImageFolder root such as /data/imagenet/train)"
+            )
         try:
             self.folder = ImageFolder(root)
         except (FileNotFoundError, RuntimeError) as error:
@@ -139,9 +154,12 @@ class MultiCropSpec:
 
     def transform(self) -> SwaVTransform:
         return SwaVTransform(
-            crop_sizes=tuple(self.crop_sizes), crop_counts=tuple(self.crop_counts),
-            crop_min_scales=tuple(self.crop_min_scales), crop_max_scales=tuple(self.crop_max_scales),
-            hf_prob=self.flip_probability, cj_strength=self.color_jitter_strength,
+            crop_sizes=tuple(self.crop_sizes),
+            crop_counts=tuple(self.crop_counts),
+            crop_min_scales=tuple(self.crop_min_scales),
+            crop_max_scales=tuple(self.crop_max_scales),
+            hf_prob=self.flip_probability,
+            cj_strength=self.color_jitter_strength,
             gaussian_blur=self.blur_probability,
         )
 
@@ -178,8 +196,10 @@ class MultiCropDataset:
 
     def batch(self, sample_ids: Sequence[int], pass_index: int) -> Batch:
         per_sample = [self.views(sample_id, pass_index) for sample_id in sample_ids]
-        batch: Batch = {crop_key(index): torch.stack([views[index] for views in per_sample])
-                        for index in range(self.spec.num_crops)}
+        batch: Batch = {
+            crop_key(index): torch.stack([views[index] for views in per_sample])
+            for index in range(self.spec.num_crops)
+        }
         batch[SAMPLE_IDS] = torch.as_tensor(list(sample_ids), dtype=torch.long)
         batch["pass_index"] = torch.tensor(pass_index)
         return batch
@@ -193,5 +213,5 @@ class MultiCropDataset:
             generator = torch.Generator().manual_seed(stable_seed(stream_seed, "order", pass_index))
             order = torch.randperm(len(self), generator=generator)
             for start in range(0, len(order) - batch_size + 1, batch_size):
-                yield self.batch(order[start:start + batch_size].tolist(), pass_index)
+                yield self.batch(order[start : start + batch_size].tolist(), pass_index)
             pass_index += 1

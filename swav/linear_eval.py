@@ -4,6 +4,7 @@ Features: the trunk's global-average-pooled output in eval mode, on whole images
 size and normalised like the training crops. Linear probe: multinomial logistic regression (L2 1e-4) on
 standardised train features; kNN: cosine similarity, k nearest train features vote with weight exp(sim / T).
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,7 +48,9 @@ def extract_features(model: SwavModel, images: np.ndarray, image_size: int, batc
     started, last_log = time.time(), time.time()
     try:
         for start in range(0, len(images), batch_size):
-            chunk = torch.tensor(images[start:start + batch_size]).float().div(255).unsqueeze(1).expand(-1, 3, -1, -1)
+            chunk = (
+                torch.tensor(images[start : start + batch_size]).float().div(255).unsqueeze(1).expand(-1, 3, -1, -1)
+            )
             if chunk.shape[-1] != image_size:
                 chunk = F.interpolate(chunk, size=(image_size, image_size), mode="bilinear", align_corners=False)
             features.append(model.features((chunk - mean) / std).float())
@@ -61,8 +64,15 @@ def extract_features(model: SwavModel, images: np.ndarray, image_size: int, batc
     return torch.cat(features)
 
 
-def linear_probe_top1(train: torch.Tensor, train_labels: np.ndarray, test: torch.Tensor, test_labels: np.ndarray,
-                      num_classes: int = 10, weight_decay: float = 1e-4, iterations: int = 200) -> float:
+def linear_probe_top1(
+    train: torch.Tensor,
+    train_labels: np.ndarray,
+    test: torch.Tensor,
+    test_labels: np.ndarray,
+    num_classes: int = 10,
+    weight_decay: float = 1e-4,
+    iterations: int = 200,
+) -> float:
     """Multinomial logistic regression on standardised features, fitted to convergence with full-batch L-BFGS.
 
     torch rather than scikit-learn's LogisticRegression: the same model, but sklearn took minutes per fit on
@@ -74,8 +84,9 @@ def linear_probe_top1(train: torch.Tensor, train_labels: np.ndarray, test: torch
     classifier = torch.nn.Linear(train_x.shape[1], num_classes)
     torch.nn.init.zeros_(classifier.weight)  # the problem is convex: a fixed start makes the fit deterministic
     torch.nn.init.zeros_(classifier.bias)
-    optimizer = torch.optim.LBFGS(classifier.parameters(), lr=1.0, max_iter=iterations, history_size=20,
-                                  line_search_fn="strong_wolfe")
+    optimizer = torch.optim.LBFGS(
+        classifier.parameters(), lr=1.0, max_iter=iterations, history_size=20, line_search_fn="strong_wolfe"
+    )
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
@@ -89,22 +100,35 @@ def linear_probe_top1(train: torch.Tensor, train_labels: np.ndarray, test: torch
     return float((predictions == test_labels).mean())
 
 
-def knn_top1(train: torch.Tensor, train_labels: np.ndarray, test: torch.Tensor, test_labels: np.ndarray,
-             k: int = 20, num_classes: int = 10, chunk: int = 1000) -> float:
+def knn_top1(
+    train: torch.Tensor,
+    train_labels: np.ndarray,
+    test: torch.Tensor,
+    test_labels: np.ndarray,
+    k: int = 20,
+    num_classes: int = 10,
+    chunk: int = 1000,
+) -> float:
     train = F.normalize(train, dim=1)
     labels = torch.from_numpy(train_labels)
     correct = 0
     for start in range(0, len(test), chunk):
-        similarity = F.normalize(test[start:start + chunk], dim=1) @ train.t()
+        similarity = F.normalize(test[start : start + chunk], dim=1) @ train.t()
         top_similarity, top_index = similarity.topk(k, dim=1)
         votes = torch.zeros(len(top_index), num_classes)
         votes.scatter_add_(1, labels[top_index], (top_similarity / KNN_TEMPERATURE).exp())
-        correct += int((votes.argmax(1).numpy() == test_labels[start:start + chunk]).sum())
+        correct += int((votes.argmax(1).numpy() == test_labels[start : start + chunk]).sum())
     return correct / len(test)
 
 
-def evaluate(model: SwavModel, image_size: int, fashion_mnist_dir: str, max_train: Optional[int],
-             max_test: Optional[int], knn_k: int = 20) -> EvalResult:
+def evaluate(
+    model: SwavModel,
+    image_size: int,
+    fashion_mnist_dir: str,
+    max_train: Optional[int],
+    max_test: Optional[int],
+    knn_k: int = 20,
+) -> EvalResult:
     """Top-1 of a linear probe and of kNN on frozen features: train on (a prefix of) train, test on t10k."""
     started = time.time()
     train_images, train_labels = load_fashion_mnist("train", fashion_mnist_dir)
@@ -116,7 +140,9 @@ def evaluate(model: SwavModel, image_size: int, fashion_mnist_dir: str, max_trai
     return EvalResult(
         linear_top1=linear_probe_top1(train, train_labels, test, test_labels),
         knn_top1=knn_top1(train, train_labels, test, test_labels, k=knn_k),
-        train_images=len(train_images), test_images=len(test_images), feature_dim=int(train.shape[1]),
+        train_images=len(train_images),
+        test_images=len(test_images),
+        feature_dim=int(train.shape[1]),
         seconds=time.time() - started,
     )
 

@@ -1,4 +1,5 @@
 """SwAV network: ResNet trunk -> projection head (lightly's SwaVProjectionHead) -> L2 normalise -> prototypes."""
+
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple
@@ -26,8 +27,14 @@ def build_trunk(arch: str, small_widths: Sequence[int], small_blocks: Sequence[i
         # adaptation) keeps spatial detail in 16-32 px crops that a 7x7 stride-2 stem + pool would discard.
         # A 'deep' stem is requested only because it sizes the stem output (2 x stem_width) from the config
         # instead of timm's fixed 64; the stem itself is then replaced.
-        trunk = ResNet(BasicBlock, list(small_blocks), num_classes=0, stem_type="deep",
-                       stem_width=small_widths[0] // 2, channels=tuple(small_widths))
+        trunk = ResNet(
+            BasicBlock,
+            list(small_blocks),
+            num_classes=0,
+            stem_type="deep",
+            stem_width=small_widths[0] // 2,
+            channels=tuple(small_widths),
+        )
         trunk.conv1 = nn.Conv2d(3, small_widths[0], kernel_size=3, stride=1, padding=1, bias=False)
         trunk.maxpool = nn.Identity()
         return trunk, int(small_widths[-1])
@@ -65,8 +72,15 @@ class Prototypes(nn.Module):
 
 
 class SwavModel(nn.Module):
-    def __init__(self, arch: str, small_widths: Sequence[int], small_blocks: Sequence[int], hidden_dim: int,
-                 output_dim: int, num_prototypes: int):
+    def __init__(
+        self,
+        arch: str,
+        small_widths: Sequence[int],
+        small_blocks: Sequence[int],
+        hidden_dim: int,
+        output_dim: int,
+        num_prototypes: int,
+    ):
         super().__init__()
         self.trunk, self.feature_dim = build_trunk(arch, small_widths, small_blocks)
         self.projection_head = SwaVProjectionHead(self.feature_dim, hidden_dim, output_dim)

@@ -4,6 +4,7 @@ Loss: lightly's ``SwaVLoss`` (swapped prediction, Sinkhorn-Knopp codes; the code
 i.e. crops [0, 1] with the paper's two). Optimizer: timm's ``Lars`` (SGD + LARC). Schedule, prototype
 freezing and the feature queue follow the **global** step the loop reports through the task hooks.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,7 +18,7 @@ from timm.optim import Lars
 
 from common.config import RunConfig, require
 from common.errors import ConfigError, DataError
-from common.optimizer import prefill_optimizer_state
+from common.hivemind_compat import prefill_optimizer_state
 from common.task import Batch, StepOutput, Task
 from swav.data import FASHION_MNIST, FASHION_MNIST_DIR, MultiCropDataset, MultiCropSpec, crop_key, open_images
 from swav.model import RESNET50, SMALL_RESNET, SwavModel
@@ -69,23 +70,37 @@ class TaskConfig:
         require(self.max_images is None or self.max_images > 0, "task.max_images must be > 0")
         groups = len(self.crop_sizes)
         require(groups >= 1, "task.crop_sizes must list at least one crop size")
-        require(len(self.crop_counts) == groups and len(self.crop_min_scales) == groups
-                 and len(self.crop_max_scales) == groups,
-                 "task.crop_sizes, crop_counts, crop_min_scales and crop_max_scales must have the same length")
+        require(
+            len(self.crop_counts) == groups
+            and len(self.crop_min_scales) == groups
+            and len(self.crop_max_scales) == groups,
+            "task.crop_sizes, crop_counts, crop_min_scales and crop_max_scales must have the same length",
+        )
         require(all(size > 0 for size in self.crop_sizes), "task.crop_sizes must be > 0")
         require(self.crop_counts[0] >= 2, "task.crop_counts[0] must be >= 2 (two large crops swap predictions)")
         require(all(count >= 1 for count in self.crop_counts), "task.crop_counts must be >= 1")
-        require(all(0 < low <= high <= 1 for low, high in zip(self.crop_min_scales, self.crop_max_scales)),
-                 "task.crop_min_scales/crop_max_scales must satisfy 0 < min <= max <= 1")
+        require(
+            all(0 < low <= high <= 1 for low, high in zip(self.crop_min_scales, self.crop_max_scales)),
+            "task.crop_min_scales/crop_max_scales must satisfy 0 < min <= max <= 1",
+        )
         for name in ("flip_probability", "blur_probability"):
             require(0 <= getattr(self, name) <= 1, f"task.{name} must be in [0, 1]")
         require(self.color_jitter_strength >= 0, "task.color_jitter_strength must be >= 0")
-        require(self.arch in (RESNET50, SMALL_RESNET), f"task.arch must be {RESNET50} or {SMALL_RESNET} (got {self.arch!r})")
-        require(len(self.small_widths) == 4 and all(width > 0 and width % 2 == 0 for width in self.small_widths),
-                 "task.small_widths must be four positive even stage widths")
-        require(len(self.small_blocks) == 4 and all(blocks >= 1 for blocks in self.small_blocks),
-                 "task.small_blocks must be four block counts >= 1")
-        require(self.head_hidden_dim > 0 and self.head_output_dim > 0, "task.head_hidden_dim/head_output_dim must be > 0")
+        require(
+            self.arch in (RESNET50, SMALL_RESNET),
+            f"task.arch must be {RESNET50} or {SMALL_RESNET} (got {self.arch!r})",
+        )
+        require(
+            len(self.small_widths) == 4 and all(width > 0 and width % 2 == 0 for width in self.small_widths),
+            "task.small_widths must be four positive even stage widths",
+        )
+        require(
+            len(self.small_blocks) == 4 and all(blocks >= 1 for blocks in self.small_blocks),
+            "task.small_blocks must be four block counts >= 1",
+        )
+        require(
+            self.head_hidden_dim > 0 and self.head_output_dim > 0, "task.head_hidden_dim/head_output_dim must be > 0"
+        )
         require(self.num_prototypes >= 2, "task.num_prototypes must be >= 2")
         require(self.freeze_prototypes_steps >= 0, "task.freeze_prototypes_steps must be >= 0")
         require(self.temperature > 0, "task.temperature must be > 0")
@@ -93,18 +108,29 @@ class TaskConfig:
         require(self.sinkhorn_epsilon > 0, "task.sinkhorn_epsilon must be > 0")
         require(self.queue_length >= 0, "task.queue_length must be >= 0")
         require(self.queue_start_step >= 0, "task.queue_start_step must be >= 0")
-        require(self.base_lr > 0 and self.warmup_start_lr >= 0 and self.final_lr >= 0,
-                 "task.base_lr must be > 0 and task.warmup_start_lr, task.final_lr >= 0")
-        require(self.warmup_steps >= 0 and self.total_steps > self.warmup_steps,
-                 "task.total_steps must exceed task.warmup_steps >= 0")
+        require(
+            self.base_lr > 0 and self.warmup_start_lr >= 0 and self.final_lr >= 0,
+            "task.base_lr must be > 0 and task.warmup_start_lr, task.final_lr >= 0",
+        )
+        require(
+            self.warmup_steps >= 0 and self.total_steps > self.warmup_steps,
+            "task.total_steps must exceed task.warmup_steps >= 0",
+        )
         require(0 <= self.momentum < 1, "task.momentum must be in [0, 1)")
         require(self.weight_decay >= 0, "task.weight_decay must be >= 0")
         require(self.lars_trust > 0, "task.lars_trust must be > 0")
 
     @property
     def crops(self) -> MultiCropSpec:
-        return MultiCropSpec(self.crop_sizes, self.crop_counts, self.crop_min_scales, self.crop_max_scales,
-                             self.flip_probability, self.color_jitter_strength, self.blur_probability)
+        return MultiCropSpec(
+            self.crop_sizes,
+            self.crop_counts,
+            self.crop_min_scales,
+            self.crop_max_scales,
+            self.flip_probability,
+            self.color_jitter_strength,
+            self.blur_probability,
+        )
 
 
 def learning_rate(step: int, config: TaskConfig) -> float:
@@ -145,10 +171,19 @@ class FeatureQueue:
 class SwavTask(Task):
     def __init__(self, config: TaskConfig, local_batch_size: int, dataset: Optional[MultiCropDataset]):
         self.config, self.local_batch_size, self.dataset = config, local_batch_size, dataset
-        self.model = SwavModel(config.arch, config.small_widths, config.small_blocks, config.head_hidden_dim,
-                               config.head_output_dim, config.num_prototypes)
-        self.loss_fn = SwaVLoss(temperature=config.temperature, sinkhorn_iterations=config.sinkhorn_iterations,
-                                sinkhorn_epsilon=config.sinkhorn_epsilon)
+        self.model = SwavModel(
+            config.arch,
+            config.small_widths,
+            config.small_blocks,
+            config.head_hidden_dim,
+            config.head_output_dim,
+            config.num_prototypes,
+        )
+        self.loss_fn = SwaVLoss(
+            temperature=config.temperature,
+            sinkhorn_iterations=config.sinkhorn_iterations,
+            sinkhorn_epsilon=config.sinkhorn_epsilon,
+        )
         self.num_crops, self.num_large_crops = sum(config.crop_counts), config.crop_counts[0]
         self.global_step = 0
         self.queue: Optional[FeatureQueue] = None
@@ -157,9 +192,15 @@ class SwavTask(Task):
         # timm's Lars with trust_clip=False and always_adapt=True is apex's LARC(clip=False) around SGD, which
         # the SwAV code uses: weight decay is added to the gradient, then every tensor's update is scaled by
         # trust * |w| / (|g| + wd |w|) before SGD momentum.
-        optimizer = Lars(params, lr=self.config.base_lr, momentum=self.config.momentum,
-                         weight_decay=self.config.weight_decay, trust_coeff=self.config.lars_trust,
-                         trust_clip=False, always_adapt=True)
+        optimizer = Lars(
+            params,
+            lr=self.config.base_lr,
+            momentum=self.config.momentum,
+            weight_decay=self.config.weight_decay,
+            trust_coeff=self.config.lars_trust,
+            trust_clip=False,
+            always_adapt=True,
+        )
         # A zero momentum buffer gives exactly the first step's clone(grad); with it present, hivemind skips its
         # virtual zero-gradient step, which here would move weights by lr x trust / wd x wd x w = 2.4e-3 w.
         return prefill_optimizer_state(optimizer, ("momentum_buffer",))
@@ -181,12 +222,12 @@ class SwavTask(Task):
         queue_scores = None
         if self.queue is not None and self.queue.full:
             queue_scores = self.queue.scores(model.prototypes.weight.float())
-        loss = self.loss_fn(list(crop_scores[:self.num_large_crops]), list(crop_scores[self.num_large_crops:]),
-                            queue_scores).reshape(())
+        loss = self.loss_fn(
+            list(crop_scores[: self.num_large_crops]), list(crop_scores[self.num_large_crops :]), queue_scores
+        ).reshape(())
         if self.queue is not None:
-            self.queue.push(list(embeddings.split(batch_size)[:self.num_large_crops]))
-        return StepOutput(loss=loss, batch_size=batch_size,
-                          metrics={"queue_used": float(queue_scores is not None)})
+            self.queue.push(list(embeddings.split(batch_size)[: self.num_large_crops]))
+        return StepOutput(loss=loss, batch_size=batch_size, metrics={"queue_used": float(queue_scores is not None)})
 
     def _observe_global_step(self, model: torch.nn.Module, global_step: int) -> None:
         self.global_step = global_step
@@ -215,5 +256,6 @@ def build_task(run_config: RunConfig, with_data: bool = True) -> SwavTask:
         return SwavTask(config, run_config.training.local_batch_size, None)
     images = open_images(config.dataset, config.fashion_mnist_dir, config.max_images)
     logger.info(f"SwAV data: {len(images)} images from {config.dataset}, {sum(config.crop_counts)} crops each")
-    return SwavTask(config, run_config.training.local_batch_size,
-                    MultiCropDataset(images, config.crops, config.data_seed))
+    return SwavTask(
+        config, run_config.training.local_batch_size, MultiCropDataset(images, config.crops, config.data_seed)
+    )

@@ -3,6 +3,7 @@
 It must accept inbound connections (no client mode). Its loop calls ``step()`` often, so it pre-schedules
 matchmaking as soon as the swarm's next step is near and does not miss rounds.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,7 @@ LEAVE_WITHIN_SECONDS = 5.0
 
 def leave_promptly_when_stopped(stop: StopFlag, finished: threading.Event, shutdown) -> threading.Thread:
     """An auxiliary peer holds no state of its own, so once stopped it may abandon a blocked averaging round."""
+
     def watch() -> None:
         while not stop.wait(0.5):
             if finished.is_set():
@@ -48,8 +50,9 @@ def leave_promptly_when_stopped(stop: StopFlag, finished: threading.Event, shutd
     return watcher
 
 
-def run_auxiliary(config: RunConfig, config_path: str, stop: StopFlag,
-                  authorizer: Optional[AuthorizerBase] = None) -> None:
+def run_auxiliary(
+    config: RunConfig, config_path: str, stop: StopFlag, authorizer: Optional[AuthorizerBase] = None
+) -> None:
     if config.network.client_mode:
         raise PeerError("an auxiliary peer must accept inbound connections: set network.client_mode=false")
     torch.set_num_threads(config.training.num_threads)
@@ -79,8 +82,12 @@ def run_auxiliary(config: RunConfig, config_path: str, stop: StopFlag,
             if optimizer.local_epoch >= config.training.max_global_steps:
                 break
             time.sleep(POLL_SECONDS)
-        summary = {"role": "auxiliary", "final_step": optimizer.local_epoch, "steps_seen": steps_seen,
-                   "wall_seconds": time.time() - started}
+        summary = {
+            "role": "auxiliary",
+            "final_step": optimizer.local_epoch,
+            "steps_seen": steps_seen,
+            "wall_seconds": time.time() - started,
+        }
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     finally:
         finished.set()

@@ -1,6 +1,7 @@
 """Monitor role: the swarm's first peer. Aggregates trainers' metrics per global step, keeps the history
 (JSONL/CSV, wandb offline), and checkpoints the collaboration state it downloads from peers. On restart it
 resumes its history; from a checkpoint it serves the saved state, so a new swarm continues from there."""
+
 from __future__ import annotations
 
 import json
@@ -30,14 +31,21 @@ class MetricsLogger:
             return
         import wandb
 
-        self.run = wandb.init(project=config.monitor.wandb_project, name=config.collaboration.run_id,
-                              mode=config.monitor.wandb_mode, dir=str(output_dir), resume="allow",
-                              id=config.collaboration.run_id)
+        self.run = wandb.init(
+            project=config.monitor.wandb_project,
+            name=config.collaboration.run_id,
+            mode=config.monitor.wandb_mode,
+            dir=str(output_dir),
+            resume="allow",
+            id=config.collaboration.run_id,
+        )
 
     def log(self, aggregate: StepAggregate) -> None:
         if self.run is not None:
-            self.run.log({"loss": aggregate.loss, "peers": aggregate.peers, "samples": aggregate.samples,
-                          **aggregate.metrics}, step=aggregate.step)
+            self.run.log(
+                {"loss": aggregate.loss, "peers": aggregate.peers, "samples": aggregate.samples, **aggregate.metrics},
+                step=aggregate.step,
+            )
 
     def finish(self) -> None:
         if self.run is not None:
@@ -55,8 +63,9 @@ class Leaderboard:
 
     def add(self, entry: dict) -> None:
         for peer, samples in entry["contributions"].items():
-            row = self.rows.setdefault(peer, {"peer": peer, "samples": 0, "steps": 0, "first_seen": entry["time"],
-                                              "last_seen": entry["time"]})
+            row = self.rows.setdefault(
+                peer, {"peer": peer, "samples": 0, "steps": 0, "first_seen": entry["time"], "last_seen": entry["time"]}
+            )
             row["samples"] += samples
             row["steps"] += 1
             row["last_seen"] = entry["time"]
@@ -69,8 +78,9 @@ class Leaderboard:
 
 
 class Monitor:
-    def __init__(self, config: RunConfig, config_path: str, stop: StopFlag,
-                 authorizer: Optional[AuthorizerBase] = None):
+    def __init__(
+        self, config: RunConfig, config_path: str, stop: StopFlag, authorizer: Optional[AuthorizerBase] = None
+    ):
         self.config, self.stop = config, stop
         self.output_dir = Path(config.training.output_dir)
         self.checkpoint_dir = Path(config.monitor.checkpoint_dir or self.output_dir / "checkpoints")
@@ -89,9 +99,13 @@ class Monitor:
         self.last_checkpoint_step = -1
         if config.monitor.checkpoint_every_steps > 0:
             self.state_averager = TrainingStateAverager(
-                dht=self.dht, optimizer=self.task.make_optimizer, params=self.task.optimizer_param_groups(),
-                scheduler=self.task.make_scheduler, prefix=f"{config.collaboration.run_id}_state_averager",
-                min_matchmaking_time=config.collaboration.matchmaking_time, start=True,
+                dht=self.dht,
+                optimizer=self.task.make_optimizer,
+                params=self.task.optimizer_param_groups(),
+                scheduler=self.task.make_scheduler,
+                prefix=f"{config.collaboration.run_id}_state_averager",
+                min_matchmaking_time=config.collaboration.matchmaking_time,
+                start=True,
             )
             self._restore_checkpoint()
         self.metrics = MetricsLogger(config, self.output_dir)
@@ -128,10 +142,13 @@ class Monitor:
             self.history.write(aggregate)
             self.leaderboard.add(aggregate.to_json())
             self.metrics.log(aggregate)
-            accuracy = "".join(f" | {name} {value:.3f}" for name, value in aggregate.metrics.items()
-                               if name.endswith("accuracy"))
-            logger.info(f"global step {aggregate.step}: loss {aggregate.loss:.4f} | {aggregate.peers} peers | "
-                        f"{aggregate.samples} samples{accuracy}")
+            accuracy = "".join(
+                f" | {name} {value:.3f}" for name, value in aggregate.metrics.items() if name.endswith("accuracy")
+            )
+            logger.info(
+                f"global step {aggregate.step}: loss {aggregate.loss:.4f} | {aggregate.peers} peers | "
+                f"{aggregate.samples} samples{accuracy}"
+            )
         if ready:
             self.leaderboard.write()
 
@@ -148,10 +165,13 @@ class Monitor:
             self.last_checkpoint_step = step
             return
         scheduler = self.state_averager.scheduler
-        state = {"step": step, "model": self.task.model.state_dict(),
-                 "optimizer": self.state_averager.optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "run_id": self.config.collaboration.run_id}
+        state = {
+            "step": step,
+            "model": self.task.model.state_dict(),
+            "optimizer": self.state_averager.optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "run_id": self.config.collaboration.run_id,
+        }
         path = save_checkpoint(self.checkpoint_dir, step, state, self.config.monitor.keep_checkpoints)
         self.state_averager.state_sharing_priority = step
         self.last_checkpoint_step = step
@@ -176,7 +196,8 @@ class Monitor:
         self.dht.shutdown()
 
 
-def run_monitor(config: RunConfig, config_path: str, stop: StopFlag,
-                authorizer: Optional[AuthorizerBase] = None) -> None:
+def run_monitor(
+    config: RunConfig, config_path: str, stop: StopFlag, authorizer: Optional[AuthorizerBase] = None
+) -> None:
     torch.set_num_threads(config.training.num_threads)
     Monitor(config, config_path, stop, authorizer).run()

@@ -1,4 +1,5 @@
 """Trainer role: computes gradients on its own data stream; the backend (from config) does the rest."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,15 @@ FINAL_STATE_FILE = "final_model.pt"
 SUMMARY_FILE = "summary.json"
 
 
-def build_backend(config: RunConfig, task, peer_name: str, output_dir: Path, config_path: str,
-                  stop: StopFlag, authorizer: Optional[AuthorizerBase] = None) -> TrainingBackend:
+def build_backend(
+    config: RunConfig,
+    task,
+    peer_name: str,
+    output_dir: Path,
+    config_path: str,
+    stop: StopFlag,
+    authorizer: Optional[AuthorizerBase] = None,
+) -> TrainingBackend:
     if config.training.backend == Backend.single:
         return SingleProcessBackend(task, config.collaboration.target_batch_size, history_dir=output_dir)
     if config.training.backend == Backend.ddp:
@@ -47,8 +55,9 @@ def build_backend(config: RunConfig, task, peer_name: str, output_dir: Path, con
     except BaseException:
         dht.shutdown()
         raise
-    backend = CollaborativeBackend(dht, optimizer, config.collaboration, peer_name, "trainer",
-                                   config.monitor.metrics_expiration, fingerprint)
+    backend = CollaborativeBackend(
+        dht, optimizer, config.collaboration, peer_name, "trainer", config.monitor.metrics_expiration, fingerprint
+    )
     try:
         backend.catch_up()
         backend.wait_for_swarm(stop.is_set)
@@ -58,8 +67,9 @@ def build_backend(config: RunConfig, task, peer_name: str, output_dir: Path, con
     return backend
 
 
-def run_trainer(config: RunConfig, config_path: str, peer_name: str, stop: StopFlag,
-                authorizer: Optional[AuthorizerBase] = None) -> TrainingSummary:
+def run_trainer(
+    config: RunConfig, config_path: str, peer_name: str, stop: StopFlag, authorizer: Optional[AuthorizerBase] = None
+) -> TrainingSummary:
     torch.set_num_threads(config.training.num_threads)
     output_dir = Path(config.training.output_dir)
     task_module = import_task_module(config.task_module)
@@ -70,12 +80,20 @@ def run_trainer(config: RunConfig, config_path: str, peer_name: str, stop: StopF
         peer_name, output_dir = f"{peer_name}-{backend.worker_label}", output_dir / backend.worker_label
     try:
         trainer = Trainer(
-            task, backend, peer_name=peer_name, stream_seed=stable_seed(config.training.seed, peer_name),
-            max_global_steps=config.training.max_global_steps, max_wall_seconds=config.training.max_wall_seconds,
-            output_dir=output_dir, device=device_for(config), precision=config.training.precision,
+            task,
+            backend,
+            peer_name=peer_name,
+            stream_seed=stable_seed(config.training.seed, peer_name),
+            max_global_steps=config.training.max_global_steps,
+            max_wall_seconds=config.training.max_wall_seconds,
+            output_dir=output_dir,
+            device=device_for(config),
+            precision=config.training.precision,
             log_every_seconds=config.training.log_every_seconds,
-            record_sample_ids=config.training.record_sample_ids, skip_nonfinite=config.training.skip_nonfinite,
-            inject_nonfinite_every=config.training.inject_nonfinite_every, stop=stop,
+            record_sample_ids=config.debug.record_sample_ids,
+            skip_nonfinite=config.training.skip_nonfinite,
+            inject_nonfinite_every=config.debug.inject_nonfinite_every,
+            stop=stop,
         )
         summary = trainer.run()
         backend.finalize()

@@ -1,0 +1,106 @@
+"""Every workaround for the pinned hivemind (1.1.12), each with the behaviour it works around.
+
+Upgrading hivemind means re-checking exactly this file: each function names what the pinned release does and
+why the project cannot take it as it is. Nothing else in the repository patches or reaches into hivemind.
+
+1. :func:`prefill_optimizer_state` -- hivemind creates missing optimizer state with a virtual zero-gradient step.
+2. :func:`skip_nonfinite_steps` -- a partial all-reduce can average to NaN/Inf.
+3. :func:`count_state_reloads` -- ``Optimizer.step`` silently reloads state and drops accumulated gradients.
+4. :func:`restart_throughput_timer` -- the throughput estimate counts time spent before training started.
+5. :func:`client_mode_argument` -- ``Optimizer`` ignores the DHT's client mode unless it is passed explicitly.
+6. :func:`silence_schedule_fast_forward_warning` -- a late joiner's schedule fast-forward makes torch warn.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import warnings
+from typing import Callable, Sequence
+
+import hivemind
+import torch
+
+PINNED_VERSION = "1.1.12"
+logger = logging.getLogger(__name__)
+
+
+def prefill_optimizer_state(optimizer: torch.optim.Optimizer, state_names: Sequence[str]) -> torch.optim.Optimizer:
+    """Create the optimizer's per-parameter state as zeros, exactly as its first step would.
+
+    hivemind runs a virtual optimizer step with zero gradients (at the base learning rate, before the
+    scheduler exists) to create missing state; with weight decay that step shrinks the weights and it
+    advances the step counter, so collaborative training would no longer equal plain training. A task's
+    ``make_optimizer`` calls this so that no backend ever takes such a step.
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            for name in state_names:
+                state.setdefault(name, torch.zeros_like(param, memory_format=torch.preserve_format))
+    return optimizer
+
+
+def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer.step`` a no-op (with a warning) when any gradient is NaN/Inf.
+
+    A partial all-reduce can hand every peer of a round the same non-finite averaged gradient (hivemind divides a
+    part by the total weight it received, which is 0 when only zero-weight peers got through). Skipping such a
+    step, like an AMP grad scaler does, keeps every peer's parameters finite and still identical.
+    """
+    take_step = optimizer.step
+
+    def guarded_step(self, *args, **kwargs):
+        gradients = [param.grad for group in self.param_groups for param in group["params"] if param.grad is not None]
+        if not all(bool(torch.isfinite(gradient).all()) for gradient in gradients):
+            logger.warning("the averaged gradient is not finite (a partial averaging round): optimizer step skipped")
+            return None
+        return take_step(*args, **kwargs)
+
+    # a bound method, as torch's LR schedulers expect when they wrap optimizer.step
+    optimizer.step = types.MethodType(guarded_step, optimizer)
+    return optimizer
+
+
+def count_state_reloads(optimizer: hivemind.Optimizer, on_reload: Callable[[], None]) -> None:
+    """Call ``on_reload`` whenever the optimizer replaces this peer's state with the swarm's.
+
+    ``hivemind.Optimizer.step`` reloads state from peers by itself when this peer fell behind, discarding the
+    gradients it had accumulated; nothing in its return value says so. The loop must know, or it would credit
+    those micro-batches to a step they never reached.
+    """
+    reload_state = optimizer.load_state_from_peers
+
+    def counted_reload(**kwargs):
+        on_reload()
+        return reload_state(**kwargs)
+
+    optimizer.load_state_from_peers = counted_reload
+
+
+def restart_throughput_timer(optimizer: hivemind.Optimizer) -> None:
+    """Start the peer's throughput estimate now, not when the optimizer was built.
+
+    hivemind times the first micro-batch from the optimizer's creation, so a wait before training (a start
+    barrier, a state download) counts as training time: a peer that waited 10 s reports ~1.5 samples/s, its
+    progress tracker expects the step to take minutes and refreshes only every 10 s, and a short first step can
+    end before it has seen the other peers -- it then steps alone on local gradients.
+    """
+    optimizer.tracker.performance_ema.reset_timer()
+
+
+def client_mode_argument(dht: hivemind.DHT) -> bool:
+    """The ``client_mode`` to pass to ``hivemind.Optimizer`` explicitly.
+
+    hivemind 1.1.12 inverts its ``None`` check and takes ``dht.client_mode`` only for a non-None value; left at
+    its default, a client-mode trainer crashes at its first epoch (state sharing on a client averager).
+    """
+    return dht.client_mode
+
+
+def silence_schedule_fast_forward_warning() -> None:
+    """A late joiner's downloaded state fast-forwards its LR schedule to the swarm's step: hivemind steps the
+    scheduler without an optimizer step, which is intended, but torch warns as if the call order were wrong."""
+    warnings.filterwarnings(
+        "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+    )

@@ -1,0 +1,327 @@
+"""Collaborative vs HPC baseline on one machine: run each setup, read its history, evaluate, tabulate, plot.
+
+Every setup trains the same task from the same config and seed for the same number of global steps of the same
+global batch (so the same number of samples): one process, torch DDP with N gloo workers, and a local hivemind
+swarm of N trainers under each semantics. Each setup writes the common per-global-step history format
+(``history.jsonl``); the final models are scored on one fixed set of evaluation batches.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from common.config import RunConfig, import_task_module
+from common.errors import PeerError
+from common.lifecycle import StopFlag
+from common.metrics import HistoryWriter
+from common.roles.trainer import FINAL_STATE_FILE
+from common.seeding import stable_seed
+from common.swarm import ROOT, stop_process_group
+
+logger = logging.getLogger(__name__)
+
+SEMANTICS = ("sync", "dpu", "local")
+BASELINE = "ddp"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One way of training the run: ``single``, ``ddp`` or a collaborative ``collab_<semantics>``."""
+
+    name: str
+    kind: str  # single | ddp | collaborative
+    semantics: Optional[str] = None
+
+    def history_path(self, run_dir: Path) -> Path:
+        return run_dir / ("monitor" if self.kind == "collaborative" else "") / "history.jsonl"
+
+    def final_model_path(self, run_dir: Path) -> Path:
+        folder = {"single": run_dir, "ddp": run_dir / "worker0", "collaborative": run_dir / "trainer0"}[self.kind]
+        return folder / FINAL_STATE_FILE
+
+
+def all_setups() -> List[Setup]:
+    return [
+        Setup("single", "single"),
+        Setup(BASELINE, "ddp"),
+        *(Setup(f"collab_{semantics}", "collaborative", semantics) for semantics in SEMANTICS),
+    ]
+
+
+@dataclass
+class SetupRun:
+    setup: Setup
+    run_dir: Path
+    launched: float  # unix time just before the setup's first process started
+    finished: float
+    exit_code: int
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_command(setup: Setup, config_path: str, overrides: Sequence[str], run_dir: Path, workers: int) -> List[str]:
+    if setup.kind == "single":
+        return [
+            sys.executable,
+            "scripts/train.py",
+            "--config",
+            config_path,
+            "--name",
+            "single",
+            *overrides,
+            "training.backend=single",
+            f"training.output_dir={run_dir}",
+        ]
+    if setup.kind == "ddp":
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={workers}",
+            f"--master_port={free_port()}",
+            "scripts/train.py",
+            "--config",
+            config_path,
+            "--name",
+            "ddp",
+            *overrides,
+            "training.backend=ddp",
+            f"training.output_dir={run_dir}",
+        ]
+    return [
+        sys.executable,
+        "scripts/local_swarm.py",
+        "--config",
+        config_path,
+        "--trainers",
+        str(workers),
+        "--aux",
+        "0",
+        "--output",
+        str(run_dir),
+        *overrides,
+        "training.backend=collaborative",
+        f"collaboration.semantics={setup.semantics}",
+        f"collaboration.run_id=compare_{setup.semantics}",
+    ]
+
+
+def run_setup(
+    setup: Setup,
+    config_path: str,
+    overrides: Sequence[str],
+    run_dir: Path,
+    workers: int,
+    max_steps: int,
+    timeout: float,
+    stop: StopFlag,
+    progress_seconds: float = 15.0,
+) -> SetupRun:
+    """Run one setup in its own process group, logging its progress; stop the whole group on timeout or signal."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = launch_command(setup, config_path, overrides, run_dir, workers)
+    log_path = run_dir / "launcher.log"
+    launched = time.time()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    history = HistoryWriter(setup.history_path(run_dir).parent)
+    last_log = time.monotonic()
+    try:
+        while process.poll() is None:
+            elapsed = time.time() - launched
+            if elapsed > timeout or stop.is_set():
+                raise PeerError(
+                    f"setup {setup.name} did not finish within {timeout:.0f} s (log: {log_path})"
+                    if not stop.is_set()
+                    else f"stopped by {stop.signal_name} during setup {setup.name}"
+                )
+            if time.monotonic() - last_log >= progress_seconds:
+                log_progress(setup, history.read(), elapsed, max_steps)
+                last_log = time.monotonic()
+            time.sleep(0.5)
+    finally:
+        stop_process_group(process, graceful=True, grace_seconds=20.0)
+    if process.returncode != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-5:])
+        raise PeerError(f"setup {setup.name} exited with code {process.returncode}: {tail}")
+    return SetupRun(setup, run_dir, launched, time.time(), process.returncode)
+
+
+def log_progress(setup: Setup, history: List[dict], elapsed: float, max_steps: int) -> None:
+    if not history:
+        logger.info(f"{setup.name}: {elapsed:.0f} s, starting (loading data, joining peers)")
+        return
+    done = history[-1]["step"] + 1
+    eta = (max_steps - done) * elapsed / done
+    logger.info(
+        f"{setup.name}: global step {done}/{max_steps} | loss {history[-1]['loss']:.4f} | "
+        f"elapsed {elapsed:.0f} s | ETA {eta:.0f} s"
+    )
+
+
+def curve_rows(run: SetupRun) -> List[Dict]:
+    """One row per global step: samples seen so far and seconds since the setup was launched."""
+    history = HistoryWriter(run.setup.history_path(run.run_dir).parent).read()
+    rows, samples_seen = [], 0
+    for entry in sorted(history, key=lambda item: item["step"]):
+        samples_seen += entry["samples"]
+        rows.append(
+            {
+                "setup": run.setup.name,
+                "step": entry["step"],
+                "peers": entry["peers"],
+                "samples_seen": samples_seen,
+                "wall_seconds": round(entry["time"] - run.launched, 3),
+                "loss": entry["loss"],
+                **{name: entry["metrics"].get(name) for name in sorted(entry["metrics"])},
+            }
+        )
+    return rows
+
+
+def evaluation_batches(config: RunConfig, count: int) -> tuple:
+    """The task (for its forward) and ``count`` fixed batches drawn from a stream no setup trains on."""
+    task = import_task_module(config.task_module).build_task(config)
+    stream = task.batches(stable_seed(config.training.seed, "comparison-evaluation"))
+    return task, [next(stream) for _ in range(count)]
+
+
+def evaluate(task, batches: List[dict], state_path: Path) -> Dict[str, float]:
+    """Sample-weighted mean loss and metrics of the saved model over the fixed evaluation batches."""
+    task.model.load_state_dict(torch.load(state_path, map_location="cpu"))
+    task.model.eval()
+    totals: Dict[str, float] = {}
+    samples = 0
+    with torch.no_grad():
+        for batch in batches:
+            output = task.forward(task.model, batch)
+            for name, value in {"loss": float(output.loss), **output.metrics}.items():
+                totals[name] = totals.get(name, 0.0) + value * output.batch_size
+            samples += output.batch_size
+    return {name: total / samples for name, total in totals.items()}
+
+
+def summarize(run: SetupRun, rows: List[Dict], evaluation: Dict[str, float], tail_steps: int = 3) -> Dict:
+    total_samples = rows[-1]["samples_seen"] if rows else 0
+    steady_seconds = rows[-1]["wall_seconds"] - rows[0]["wall_seconds"] if rows else 0.0
+    return {
+        "setup": run.setup.name,
+        "steps": len(rows),
+        "samples": total_samples,
+        "train_loss_last_steps": statistics.fmean(row["loss"] for row in rows[-tail_steps:]) if rows else None,
+        "eval_loss": evaluation["loss"],
+        **{f"eval_{name}": value for name, value in sorted(evaluation.items()) if name != "loss"},
+        "wall_seconds": round(run.finished - run.launched, 1),
+        "samples_per_second_end_to_end": total_samples / (run.finished - run.launched),
+        # the first step's samples were accumulated before its timestamp: count only the steps after it
+        "samples_per_second_steady": (
+            (total_samples - rows[0]["samples_seen"]) / steady_seconds
+            if len(rows) > 1 and steady_seconds > 0
+            else None
+        ),
+    }
+
+
+def add_baseline_differences(summaries: List[Dict]) -> None:
+    baseline = next((summary for summary in summaries if summary["setup"] == BASELINE), None)
+    for summary in summaries:
+        summary["eval_loss_vs_ddp_percent"] = (
+            100.0 * (summary["eval_loss"] - baseline["eval_loss"]) / baseline["eval_loss"] if baseline else None
+        )
+
+
+def write_csv(path: Path, rows: List[Dict]) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(
+                {key: (f"{value:.6g}" if isinstance(value, float) else value) for key, value in row.items()}
+            )
+
+
+def plot_curves(rows: List[Dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (by_samples, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for setup in dict.fromkeys(row["setup"] for row in rows):
+        own = [row for row in rows if row["setup"] == setup]
+        style = {"linestyle": "--"} if setup in ("single", BASELINE) else {}
+        by_samples.plot([row["samples_seen"] for row in own], [row["loss"] for row in own], label=setup, **style)
+        by_time.plot([row["wall_seconds"] for row in own], [row["loss"] for row in own], label=setup, **style)
+    by_samples.set_xlabel("samples seen")
+    by_samples.set_ylabel("training loss of the global step")
+    by_time.set_xlabel("wall time since launch (s)")
+    for axis in (by_samples, by_time):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def summary_table(summaries: List[Dict]) -> str:
+    def number(value, digits):
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    # the task's quality metrics as its evaluation named them (e.g. eval_mlm_accuracy), losses left to the total
+    metrics = sorted(
+        {
+            key
+            for summary in summaries
+            for key in summary
+            if key.startswith("eval_")
+            and key not in ("eval_loss", "eval_loss_vs_ddp_percent")
+            and not key.endswith("_loss")
+        }
+    )
+    header = [
+        "setup",
+        "steps",
+        "samples",
+        "eval loss",
+        "vs ddp",
+        "last-3-step train loss",
+        *(name[len("eval_") :] for name in metrics),
+        "samples/s steady",
+        "samples/s end-to-end",
+        "wall s",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for summary in summaries:
+        difference = summary["eval_loss_vs_ddp_percent"]
+        cells = [
+            summary["setup"],
+            summary["steps"],
+            summary["samples"],
+            number(summary["eval_loss"], 4),
+            "n/a" if difference is None else f"{difference:+.2f} %",
+            number(summary["train_loss_last_steps"], 4),
+            *(number(summary.get(name), 3) for name in metrics),
+            number(summary["samples_per_second_steady"], 1),
+            number(summary["samples_per_second_end_to_end"], 1),
+            summary["wall_seconds"],
+        ]
+        lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
+    return "\n".join(lines)

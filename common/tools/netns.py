@@ -1,0 +1,361 @@
+"""Volunteer networks on one machine: one Linux network namespace per emulated host.
+
+Each host namespace gets a veth pair whose other end joins a bridge in a namespace of its own, so every
+address (``10.77.0.0/24``) exists only inside namespaces this module created and traffic never touches the
+machine's real interfaces. Upload/download caps are ``tc`` token-bucket filters on the two ends of the host's
+veth (the kernel here has no netem, so added latency is not emulated). A host that "accepts no inbound
+connections" (behind NAT or a firewall) drops new inbound connections with nftables, which is what makes a
+volunteer join in client mode.
+
+Needs root, ``ip`` and ``tc`` (iproute2), and ``nft`` (Debian package ``nftables``) for no-inbound hosts;
+otherwise :class:`NetworkEmulationUnavailable` says what is missing, and launchers fall back to loopback.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from common.errors import ConfigError, UserError
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE_PREFIX = "dl"  # every namespace this module creates is named dl<owner pid>-<tag>-<host|br>
+SUBNET_PREFIX = "10.77.0"  # /24, exists only inside our own namespaces
+HOST_INTERFACE = "eth0"
+BRIDGE_NAME = "br0"
+_NAMESPACE_PATTERN = re.compile(rf"^{NAMESPACE_PREFIX}(\d+)-[0-9a-f]+-")
+ROLES = ("trainer", "auxiliary", "monitor")  # the role scripts of common/swarm.py
+
+
+class NetworkEmulationUnavailable(UserError):
+    """This machine cannot emulate hosts (no root, no namespaces, missing tool); launchers fall back to loopback."""
+
+
+class NetworkEmulationError(UserError):
+    """A command that builds or tears down the emulated network failed."""
+
+
+@dataclass
+class HostSpec:
+    """One emulated host: its link caps (Mbit/s; None = uncapped) and whether it accepts inbound connections."""
+
+    name: str = "host"
+    role: str = "trainer"  # trainer | auxiliary | monitor: which role a launcher starts on this host
+    upload_mbit: Optional[float] = None
+    download_mbit: Optional[float] = None
+    accepts_inbound: bool = True  # False = behind NAT/firewall: the peer must run in client mode
+
+    def __post_init__(self) -> None:
+        if not self.name or not re.fullmatch(r"[A-Za-z0-9_-]+", self.name):
+            raise ValueError(f"hosts[].name must be letters, digits, '-' or '_' (got {self.name!r})")
+        if self.role not in ROLES:
+            raise ValueError(f"host {self.name}: role must be one of {', '.join(ROLES)} (got {self.role!r})")
+        for key in ("upload_mbit", "download_mbit"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"host {self.name}: {key} must be > 0 (got {value})")
+        if self.role == "auxiliary" and not self.accepts_inbound:
+            raise ValueError(f"host {self.name}: an auxiliary peer must accept inbound connections (it aggregates)")
+
+    @property
+    def link_mbit(self) -> Optional[float]:
+        """The slower direction: what bounds this host's share of an all-reduce (it sends and receives alike)."""
+        caps = [cap for cap in (self.upload_mbit, self.download_mbit) if cap is not None]
+        return min(caps) if caps else None
+
+
+@dataclass
+class NetworkSetup:
+    """A named set of emulated hosts, loaded from ``configs/network/*.yaml``."""
+
+    name: str = "setup"
+    description: str = ""
+    hosts: List[HostSpec] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            raise ValueError("hosts must list at least one host")
+        names = [host.name for host in self.hosts]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"hosts[].name must be unique (repeated: {', '.join(duplicates)})")
+        if len(self.hosts) > 250:
+            raise ValueError("hosts: at most 250 hosts fit the /24 subnet")
+        if not any(host.accepts_inbound for host in self.hosts):
+            raise ValueError(
+                "hosts: at least one host must accept inbound connections (a swarm of only "
+                "client-mode peers cannot connect)"
+            )
+
+
+def load_network_setup(path: str | Path) -> NetworkSetup:
+    """Load and validate a setup YAML; problems become a one-line ConfigError naming the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"network setup file not found: {path}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(NetworkSetup), OmegaConf.load(path))
+        setup = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"{path}: {str(error).splitlines()[0]}") from None
+    except ValueError as error:
+        raise ConfigError(f"{path}: {error}") from None
+    return setup
+
+
+def check_available(need_firewall: bool = False) -> None:
+    """Raise NetworkEmulationUnavailable naming the missing piece (root, iproute2, nftables, namespaces)."""
+    if os.name != "posix" or not Path("/proc/self/ns/net").exists():
+        raise NetworkEmulationUnavailable("network emulation needs Linux network namespaces")
+    if os.geteuid() != 0:
+        raise NetworkEmulationUnavailable("network emulation needs root (creating network namespaces)")
+    tools = ["ip", "tc"] + (["nft"] if need_firewall else [])
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        hint = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables"}
+        packages = sorted({hint[tool] for tool in missing})
+        raise NetworkEmulationUnavailable(
+            f"network emulation needs {', '.join(missing)} (apt-get install -y {' '.join(packages)})"
+        )
+
+
+def _run(command: Sequence[str]) -> str:
+    result = subprocess.run(list(command), capture_output=True, text=True)
+    if result.returncode != 0:
+        detail = " ".join((result.stderr or result.stdout).split())[:300]
+        raise NetworkEmulationError(f"`{' '.join(command)}` failed: {detail}")
+    return result.stdout
+
+
+def list_namespaces() -> List[str]:
+    if shutil.which("ip") is None:
+        return []
+    return [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines() if line.strip()]
+
+
+def _kill_namespace_processes(namespace: str, grace_seconds: float = 3.0) -> None:
+    """Stop whatever still runs inside ``namespace`` (our peers and their p2pd daemons): TERM, then KILL."""
+
+    def pids() -> List[int]:
+        result = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+        return [int(pid) for pid in result.stdout.split()] if result.returncode == 0 else []
+
+    for sig, wait in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 1.0)):
+        remaining = pids()
+        if not remaining:
+            return
+        for pid in remaining:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and pids():
+            time.sleep(0.05)
+
+
+def delete_namespace(namespace: str) -> None:
+    """Kill its processes, then delete it (its veth end and tc/nft state go with it)."""
+    _kill_namespace_processes(namespace)
+    result = subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, text=True)
+    if result.returncode != 0 and namespace in list_namespaces():
+        raise NetworkEmulationError(f"could not delete network namespace {namespace}: {result.stderr.strip()}")
+
+
+def cleanup_stale(prefix: str) -> List[str]:
+    """Delete every namespace whose name starts with ``prefix`` (e.g. one run's ``dl1234-ab12-``)."""
+    removed = [name for name in list_namespaces() if name.startswith(prefix)]
+    for name in removed:
+        delete_namespace(name)
+    return removed
+
+
+def cleanup_orphaned() -> List[str]:
+    """Delete namespaces left by processes that died without cleaning up (their owner pid is gone)."""
+    removed = []
+    for name in list_namespaces():
+        match = _NAMESPACE_PATTERN.match(name)
+        if match and not Path(f"/proc/{match.group(1)}").exists():
+            delete_namespace(name)
+            removed.append(name)
+    return removed
+
+
+def _tbf(rate_mbit: float) -> List[str]:
+    """A token bucket for ``rate_mbit``: the bucket holds >= 64 KiB so a veth GSO packet passes whole."""
+    rate_bytes = rate_mbit * 1e6 / 8
+    burst = max(96 * 1024, int(rate_bytes * 0.004))
+    return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+
+
+class EmulatedNetwork:
+    """Context manager: N host namespaces on one bridge, with rate limits and no-inbound firewalls.
+
+    >>> with EmulatedNetwork(setup.hosts) as network:
+    ...     subprocess.Popen(network.command_prefix(0) + [sys.executable, "scripts/train.py", ...,
+    ...                      f"network.host_maddrs=[{network.host_maddr(0)}]"], start_new_session=True)
+
+    Cleanup (processes inside, then namespaces) runs on ``__exit__``, on a failure while building, and at
+    interpreter exit; ``cleanup_orphaned()`` removes what a SIGKILLed owner left behind.
+    """
+
+    def __init__(self, hosts: Sequence[HostSpec]):
+        if not hosts:
+            raise ValueError("EmulatedNetwork needs at least one host")
+        self.hosts = list(hosts)
+        self.prefix = f"{NAMESPACE_PREFIX}{os.getpid()}-{secrets.token_hex(2)}-"
+        self.bridge_namespace = f"{self.prefix}br"
+        self.namespaces = [f"{self.prefix}{index}" for index in range(len(self.hosts))]
+        self._created: List[str] = []
+        self._closed = False
+
+    # --- addresses and launching -------------------------------------------------------------
+    def host_ip(self, index: int) -> str:
+        return f"{SUBNET_PREFIX}.{index + 1}"
+
+    def host_maddr(self, index: int, port: int = 0) -> str:
+        """For ``network.host_maddrs``: listen on this host's own address."""
+        return f"/ip4/{self.host_ip(index)}/tcp/{port}"
+
+    def command_prefix(self, index: int) -> List[str]:
+        """Prepend to a command to run it on host ``index``."""
+        return ["ip", "netns", "exec", self.namespaces[index]]
+
+    def index_of(self, name: str) -> int:
+        for index, host in enumerate(self.hosts):
+            if host.name == name:
+                return index
+        raise KeyError(f"no emulated host named {name!r} (hosts: {', '.join(h.name for h in self.hosts)})")
+
+    def command_prefix_for(self, name: str) -> List[str]:
+        """``command_prefix`` by host name: plugs into ``LocalSwarm(command_prefix=...)``."""
+        return self.command_prefix(self.index_of(name))
+
+    def peer_overrides(self, name: str) -> List[str]:
+        """Config overrides that make a peer on host ``name`` fit it: listen on the host's address, client mode
+        behind a no-inbound firewall, and declare the host's link to the load balancer. Plugs into
+        ``LocalSwarm(host_overrides=...)``."""
+        index = self.index_of(name)
+        host = self.hosts[index]
+        overrides = [f"network.host_maddrs=[{self.host_maddr(index)}]"]
+        if not host.accepts_inbound:
+            overrides.append("network.client_mode=true")
+        if host.link_mbit is not None:
+            overrides.append(f"collaboration.bandwidth={host.link_mbit:g}")
+        return overrides
+
+    def describe(self) -> Dict[str, str]:
+        return {
+            host.name: f"{self.host_ip(i)} up {host.upload_mbit or 'inf'} / down {host.download_mbit or 'inf'} Mbit/s"
+            + ("" if host.accepts_inbound else ", no inbound")
+            for i, host in enumerate(self.hosts)
+        }
+
+    # --- life cycle --------------------------------------------------------------------------
+    def __enter__(self) -> "EmulatedNetwork":
+        check_available(need_firewall=any(not host.accepts_inbound for host in self.hosts))
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        logger.info(f"emulated network {self.prefix}*: " + "; ".join(f"{k} {v}" for k, v in self.describe().items()))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        errors = []
+        for namespace in reversed(self._created):  # hosts first: their peers die before the bridge goes
+            try:
+                delete_namespace(namespace)
+            except NetworkEmulationError as error:
+                errors.append(str(error))
+        self._created.clear()
+        if errors:
+            raise NetworkEmulationError("; ".join(errors))
+
+    def _add_namespace(self, namespace: str) -> None:
+        try:
+            _run(["ip", "netns", "add", namespace])
+        except NetworkEmulationError as error:
+            raise NetworkEmulationUnavailable(f"cannot create network namespaces here: {error}") from None
+        self._created.append(namespace)
+        _run(["ip", "-n", namespace, "link", "set", "lo", "up"])
+
+    def _build(self) -> None:
+        self._add_namespace(self.bridge_namespace)
+        _run(["ip", "-n", self.bridge_namespace, "link", "add", BRIDGE_NAME, "type", "bridge"])
+        _run(["ip", "-n", self.bridge_namespace, "link", "set", BRIDGE_NAME, "up"])
+        for index, (host, namespace) in enumerate(zip(self.hosts, self.namespaces)):
+            self._add_namespace(namespace)
+            port = f"h{index}"
+            # both ends are born inside our namespaces, so names never clash with the machine's interfaces
+            _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    HOST_INTERFACE,
+                    "netns",
+                    namespace,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    port,
+                    "netns",
+                    self.bridge_namespace,
+                ]
+            )
+            _run(["ip", "-n", self.bridge_namespace, "link", "set", port, "master", BRIDGE_NAME])
+            _run(["ip", "-n", self.bridge_namespace, "link", "set", port, "up"])
+            _run(["ip", "-n", namespace, "addr", "add", f"{self.host_ip(index)}/24", "dev", HOST_INTERFACE])
+            _run(["ip", "-n", namespace, "link", "set", HOST_INTERFACE, "up"])
+            if host.upload_mbit is not None:  # leaving the host = its upload
+                _run(
+                    ["tc", "-n", namespace, "qdisc", "replace", "dev", HOST_INTERFACE, "root"] + _tbf(host.upload_mbit)
+                )
+            if host.download_mbit is not None:  # leaving the bridge port towards the host = its download
+                _run(
+                    ["tc", "-n", self.bridge_namespace, "qdisc", "replace", "dev", port, "root"]
+                    + _tbf(host.download_mbit)
+                )
+            if not host.accepts_inbound:
+                self._block_inbound(namespace)
+
+    def _block_inbound(self, namespace: str) -> None:
+        """Like a home router's NAT: replies to our own connections pass, new inbound connections are dropped."""
+        ruleset = (
+            "table inet dedloc_no_inbound {\n"
+            "  chain input {\n"
+            "    type filter hook input priority 0; policy accept;\n"
+            f'    iifname "{HOST_INTERFACE}" ct state new drop\n'
+            "  }\n"
+            "}\n"
+        )
+        result = subprocess.run(
+            ["ip", "netns", "exec", namespace, "nft", "-f", "-"], input=ruleset, capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise NetworkEmulationError(f"nft in {namespace} failed: {' '.join(result.stderr.split())[:300]}")

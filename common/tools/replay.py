@@ -1,0 +1,392 @@
+"""Play a compressed participation schedule (``common.tools.participation.compress_trace``) with real peers.
+
+A monitor and one auxiliary peer stay up for the whole replay; trainer processes are started and stopped when
+the schedule says, leaving gracefully (SIGTERM) or crashing (SIGKILL of the process group). A trainer started
+later loads the swarm's state from its peers (the trainer role does that at start). While it plays, the driver
+samples the resident memory of every live peer's process group, so a leak shows as steady growth.
+
+Outputs (``write_outputs``): the leaderboard (CSV + Markdown), a figure of active peers, swarm samples/s, loss and
+peer memory over replay time (with the trace time it stands for), and ``replay_summary.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import psutil
+
+from common.metrics import HistoryWriter
+from common.swarm import LocalSwarm
+from common.tools.participation import (
+    ExitKind,
+    LeaderboardRow,
+    PeerSession,
+    ReplayAction,
+    ReplayEvent,
+    ReplaySchedule,
+    leaderboard,
+)
+
+logger = logging.getLogger(__name__)
+
+MONITOR, AUXILIARY = "monitor", "aux0"
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    seconds: float  # since the schedule's time zero
+    peer_name: str
+    role: str
+    rss_mb: float  # the peer's whole process group (python process, p2pd daemon, DHT/averager children)
+    pss_mb: float  # the same with shared pages split among their sharers: forked children are not double-counted
+
+
+@dataclass
+class ReplayRecord:
+    """What actually happened: when each trainer ran, how it ended, and the memory samples."""
+
+    origin: float  # unix time of the schedule's time zero
+    sessions: List[PeerSession] = field(default_factory=list)
+    exits: Dict[str, str] = field(default_factory=dict)  # peer name -> graceful | crash | exited (on its own)
+    exit_codes: Dict[str, Optional[int]] = field(default_factory=dict)
+    memory: List[MemorySample] = field(default_factory=list)
+    lag_seconds: List[float] = field(default_factory=list)  # how late each event was played
+    wall_seconds: float = 0.0
+
+
+def process_group_memory_mb(pgid: int) -> Tuple[float, float]:
+    """(RSS, PSS) summed over every process in a process group, in MiB (zeros when the group is gone)."""
+    rss = pss = 0
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(process.pid) == pgid:
+                memory = process.memory_full_info()
+                rss, pss = rss + memory.rss, pss + memory.pss
+        except (ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return rss / 2**20, pss / 2**20
+
+
+class ReplayDriver:
+    """Plays ``schedule`` on ``swarm``; call :meth:`run` inside the swarm's context manager."""
+
+    def __init__(
+        self,
+        swarm: LocalSwarm,
+        schedule: ReplaySchedule,
+        trainer_overrides: Sequence[str] = (),
+        memory_every_seconds: float = 5.0,
+        progress_every_seconds: float = 30.0,
+        grace_seconds: float = 20.0,
+        should_stop: Callable[[], bool] = lambda: False,
+    ):
+        self.swarm, self.schedule = swarm, schedule
+        self.trainer_overrides = list(trainer_overrides)
+        self.memory_every_seconds, self.progress_every_seconds = memory_every_seconds, progress_every_seconds
+        self.grace_seconds, self.should_stop = grace_seconds, should_stop
+        self.record: Optional[ReplayRecord] = None
+        self._started_at: Dict[str, float] = {}
+        self._participant: Dict[str, str] = {}
+        self._leaving: Dict[str, float] = {}  # peer name -> deadline for its graceful exit
+
+    # ------------------------------------------------------------------ schedule
+    def run(self) -> ReplayRecord:
+        self.swarm.start_first_peer("monitor", MONITOR)
+        self.swarm.start("auxiliary", AUXILIARY)
+        origin = time.time()
+        self.record = ReplayRecord(origin=origin)
+        events = sorted(self.schedule.events, key=lambda e: (e.time_seconds, e.action != ReplayAction.stop))
+        next_memory = next_progress = 0.0
+        try:
+            for event in events:
+                while (now := time.time() - origin) < event.time_seconds:
+                    if self.should_stop():
+                        logger.warning("replay interrupted: stopping every peer")
+                        return self.record
+                    if now >= next_memory:
+                        self._sample_memory(now)
+                        next_memory = now + self.memory_every_seconds
+                    if now >= next_progress:
+                        self._log_progress(now)
+                        next_progress = now + self.progress_every_seconds
+                    self._reap_leaving()
+                    time.sleep(min(0.2, max(0.0, event.time_seconds - now)))
+                self.record.lag_seconds.append(time.time() - origin - event.time_seconds)
+                self._play(event)
+            self._sample_memory(time.time() - origin)
+            return self.record
+        finally:
+            self._stop_everything()
+            self.record.wall_seconds = time.time() - origin
+
+    def _play(self, event: ReplayEvent) -> None:
+        if event.action == ReplayAction.start:
+            self.swarm.start("trainer", event.peer_name, self.trainer_overrides)
+            self._started_at[event.peer_name] = time.time()
+            self._participant[event.peer_name] = event.participant
+            return
+        peer = self.swarm.peers[event.peer_name]
+        if not peer.alive():
+            logger.warning(
+                f"{event.peer_name} had already exited (code {peer.process.returncode}): {peer.log_tail(2)}"
+            )
+            self._end_session(event.peer_name, "exited")
+            return
+        if event.exit == ExitKind.crash:
+            self.swarm.stop(event.peer_name, graceful=False)
+            self._end_session(event.peer_name, "crash")
+        else:
+            # SIGTERM now, reap later: a leaving peer finishes its round while the schedule goes on
+            peer.process.send_signal(signal.SIGTERM)
+            self._leaving[event.peer_name] = time.monotonic() + self.grace_seconds
+            self._end_session(event.peer_name, "graceful")
+
+    def _end_session(self, peer_name: str, how: str) -> None:
+        self.record.sessions.append(
+            PeerSession(peer_name, self._participant[peer_name], self._started_at[peer_name], time.time())
+        )
+        self.record.exits[peer_name] = how
+
+    def _reap_leaving(self) -> None:
+        for name, deadline in list(self._leaving.items()):
+            peer = self.swarm.peers[name]
+            if not peer.alive() or time.monotonic() > deadline:
+                self.swarm.stop(name, graceful=False)  # the group's leftovers (p2pd), or a peer that hung
+                self.record.exit_codes[name] = peer.process.returncode
+                del self._leaving[name]
+
+    def _stop_everything(self) -> None:
+        trainers = [name for name in self._started_at if name not in self.record.exits]
+        for name in trainers:  # the schedule ended (or was interrupted) with these still running
+            self._end_session(name, "graceful")
+        self.swarm.stop_many(trainers, graceful=True, grace_seconds=self.grace_seconds)
+        while self._leaving:  # already signalled: a second SIGTERM would make them exit at once
+            self._reap_leaving()
+            time.sleep(0.2)
+        time.sleep(2.0)  # the monitor polls twice a second: let it see the last records before it stops
+        self.swarm.stop_many([AUXILIARY, MONITOR], graceful=True, grace_seconds=self.grace_seconds)
+        for name, peer in self.swarm.peers.items():
+            self.record.exit_codes.setdefault(name, peer.process.returncode)
+
+    # ------------------------------------------------------------------ observation
+    def _live_trainers(self) -> List[str]:
+        return [name for name in self._started_at if name not in self.record.exits and self.swarm.peers[name].alive()]
+
+    def _sample_memory(self, seconds: float) -> None:
+        for name, peer in self.swarm.peers.items():
+            if peer.alive() and name not in self._leaving:
+                self.record.memory.append(
+                    MemorySample(seconds, name, peer.role, *process_group_memory_mb(peer.process.pid))
+                )
+
+    def _log_progress(self, seconds: float) -> None:
+        history = HistoryWriter(self.swarm.output_dir / MONITOR).read()
+        remaining = self.schedule.duration_seconds - seconds
+        state = (
+            f"global step {history[-1]['step']} | loss {history[-1]['loss']:.3f}" if history else "no global step yet"
+        )
+        logger.info(
+            f"replay {seconds:.0f}/{self.schedule.duration_seconds:.0f} s (ETA {max(0.0, remaining):.0f} s) "
+            f"| {len(self._live_trainers())} trainers live | {state}"
+        )
+
+
+# ---------------------------------------------------------------------- analysis
+
+
+def active_trainers_over_time(sessions: Sequence[PeerSession], origin: float, times: np.ndarray) -> np.ndarray:
+    return np.asarray([sum(1 for s in sessions if s.start_time - origin <= t < s.end_time - origin) for t in times])
+
+
+def samples_per_second_over_time(history: Sequence[dict], origin: float, edges: np.ndarray) -> np.ndarray:
+    """Swarm throughput: samples of the global steps that ended in each bin, over the bin's width."""
+    totals, _ = np.histogram(
+        [entry["time"] - origin for entry in history], bins=edges, weights=[entry["samples"] for entry in history]
+    )
+    return totals / np.diff(edges)
+
+
+def memory_trend(samples: Sequence[MemorySample], peer_name: str, warmup_seconds: float) -> Optional[dict]:
+    """One long-lived peer after warm-up: RSS and PSS first/last/max, and the fitted PSS slope (MiB per minute)."""
+    points = [
+        (s.seconds, s.rss_mb, s.pss_mb) for s in samples if s.peer_name == peer_name and s.seconds >= warmup_seconds
+    ]
+    if len(points) < 3:
+        return None
+    seconds, rss, pss = np.asarray(points).T
+    return {
+        "rss_start_mb": round(float(rss[0]), 1),
+        "rss_end_mb": round(float(rss[-1]), 1),
+        "rss_max_mb": round(float(rss.max()), 1),
+        "pss_start_mb": round(float(pss[0]), 1),
+        "pss_end_mb": round(float(pss[-1]), 1),
+        "pss_max_mb": round(float(pss.max()), 1),
+        "pss_slope_mb_per_minute": round(float(np.polyfit(seconds / 60.0, pss, 1)[0]), 2),
+    }
+
+
+def trainer_memory(samples: Sequence[MemorySample], warmup_seconds: float) -> dict:
+    """Trainers come and go: mean PSS of a trainer process group in the first and the last fifth of the replay."""
+    points = [(s.seconds, s.rss_mb, s.pss_mb) for s in samples if s.role == "trainer" and s.seconds >= warmup_seconds]
+    if not points:
+        return {}
+    seconds, rss, pss = np.asarray(points).T
+    span = seconds.max() - seconds.min()
+    first, last = seconds <= seconds.min() + span / 5, seconds >= seconds.max() - span / 5
+    return {
+        "pss_first_fifth_mean_mb": round(float(pss[first].mean()), 1),
+        "pss_last_fifth_mean_mb": round(float(pss[last].mean()), 1),
+        "pss_max_mb": round(float(pss.max()), 1),
+        "rss_max_mb": round(float(rss.max()), 1),
+    }
+
+
+def summarise(
+    record: ReplayRecord, schedule: ReplaySchedule, history: Sequence[dict], memory_warmup_seconds: float
+) -> dict:
+    """``memory_warmup_seconds``: memory trends start after the peers have built their task and joined."""
+    steps = [entry["step"] for entry in history]
+    warmup = memory_warmup_seconds
+    return {
+        "wall_seconds": round(record.wall_seconds, 1),
+        "schedule_seconds": schedule.duration_seconds,
+        "time_scale": schedule.time_scale,
+        "max_concurrent_trainers": schedule.max_concurrent,
+        "trainer_sessions": len(record.sessions),
+        "exits": {
+            how: sum(1 for value in record.exits.values() if value == how) for how in ("graceful", "crash", "exited")
+        },
+        "max_event_lag_seconds": round(max(record.lag_seconds, default=0.0), 2),
+        "global_steps_recorded": len(history),
+        "last_global_step": steps[-1] if steps else None,
+        "steps_strictly_increasing": all(b > a for a, b in zip(steps, steps[1:])),
+        "total_samples": sum(entry["samples"] for entry in history),
+        "loss_first": history[0]["loss"] if history else None,
+        "loss_last": history[-1]["loss"] if history else None,
+        "memory": {
+            MONITOR: memory_trend(record.memory, MONITOR, warmup),
+            AUXILIARY: memory_trend(record.memory, AUXILIARY, warmup),
+            "trainers": trainer_memory(record.memory, warmup),
+        },
+        "exit_codes": record.exit_codes,
+    }
+
+
+# ---------------------------------------------------------------------- outputs
+
+
+def write_leaderboard(rows: Sequence[LeaderboardRow], time_scale: float, directory: Path) -> None:
+    columns = [
+        "rank",
+        "participant",
+        "sessions",
+        "replay_minutes_online",
+        "trace_hours_online",
+        "samples",
+        "global_steps",
+    ]
+    table = [
+        [
+            rank,
+            row.participant,
+            row.sessions,
+            f"{row.hours_online * 60:.2f}",
+            f"{row.hours_online * time_scale:.1f}",
+            row.samples,
+            row.global_steps,
+        ]
+        for rank, row in enumerate(rows, start=1)
+    ]
+    with (directory / "leaderboard.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        writer.writerows(table)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(value) for value in line) + " |" for line in table]
+    (directory / "leaderboard.md").write_text("\n".join(lines) + "\n")
+
+
+def plot_replay(record: ReplayRecord, schedule: ReplaySchedule, history: Sequence[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    end = max(record.wall_seconds, schedule.duration_seconds)
+    times = np.linspace(0.0, end, 600)
+    edges = np.arange(0.0, end + 15.0, 15.0)
+    step_times = [entry["time"] - record.origin for entry in history]
+    figure, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    axes[0].step(
+        times,
+        active_trainers_over_time(record.sessions, record.origin, times),
+        where="post",
+        label="trainer processes running",
+    )
+    axes[0].plot(
+        step_times,
+        [entry["peers"] for entry in history],
+        ".",
+        markersize=3,
+        label="trainers contributing to a global step",
+    )
+    axes[0].set_ylabel("active trainers")
+    axes[0].legend(loc="upper right")
+    axes[1].step(edges[:-1], samples_per_second_over_time(history, record.origin, edges), where="post")
+    axes[1].set_ylabel("swarm samples/s (15 s bins)")
+    axes[2].plot(step_times, [entry["loss"] for entry in history])
+    axes[2].set_ylabel("training loss")
+    for name in (MONITOR, AUXILIARY):
+        points = [(s.seconds, s.pss_mb) for s in record.memory if s.peer_name == name]
+        if points:
+            axes[3].plot(*zip(*points), label=name)
+    trainer_points = [(s.seconds, s.pss_mb) for s in record.memory if s.role == "trainer"]
+    if trainer_points:
+        axes[3].plot(*zip(*trainer_points), ".", markersize=3, label="each trainer")
+    axes[3].set_ylabel("PSS of process group (MiB)")
+    axes[3].set_xlabel("replay seconds")
+    axes[3].legend(loc="upper left")
+    days = axes[0].secondary_xaxis(
+        "top", functions=(lambda s: s * schedule.time_scale / 86400.0, lambda d: d * 86400.0 / schedule.time_scale)
+    )
+    days.set_xlabel(f"trace days (1 replay second = {schedule.time_scale:.0f} trace seconds)")
+    for axis in axes:
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_outputs(
+    record: ReplayRecord,
+    schedule: ReplaySchedule,
+    run_dir: Path,
+    directory: Path,
+    memory_warmup_seconds: float = 120.0,
+) -> dict:
+    """Leaderboard, figure, memory samples and summary from a finished replay; returns the summary."""
+    directory.mkdir(parents=True, exist_ok=True)
+    history = HistoryWriter(run_dir / MONITOR).read()
+    rows = leaderboard(history, record.sessions)
+    write_leaderboard(rows, schedule.time_scale, directory)
+    with (directory / "memory.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(MemorySample.__dataclass_fields__))
+        writer.writeheader()
+        writer.writerows(asdict(sample) for sample in record.memory)
+    plot_replay(record, schedule, history, directory / "replay.png")
+    summary = summarise(record, schedule, history, memory_warmup_seconds)
+    summary["leaderboard_samples"] = sum(row.samples for row in rows)
+    summary["sessions"] = [
+        {**asdict(session), "exit": record.exits.get(session.peer_name)} for session in record.sessions
+    ]
+    (directory / "replay_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,197 @@
+"""Collaborative training vs the HPC baseline on this machine, with the same config, seed and number of samples.
+
+    python scripts/experiments/compare_setups.py            # tiny ALBERT, 2 workers/trainers, ~15 min on 2 cores
+    python scripts/experiments/compare_setups.py --reduced  # CI-sized: a few steps, ~3-4 min on a quiet 2-core box
+    python scripts/experiments/compare_setups.py --workers 3 [key=value ...]
+
+Runs, one after the other: one process (training.backend=single), torch DDP with N gloo workers
+(training.backend=ddp through torchrun), and a local hivemind swarm (monitor + N trainers) for each semantics
+(sync, dpu, local). Writes into --output: curves.csv (loss per global step vs samples seen and wall time),
+summary.csv, loss_curves.png and results.md (the exact command, the machine and its load, the table).
+"""
+
+import argparse
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import _bootstrap  # noqa: F401  (repository root on sys.path)
+import torch
+
+from common.config import load_config
+from common.errors import ConfigError, exit_on_user_error
+from common.lifecycle import StopFlag, setup_logging
+from common.swarm import ROOT
+from common.tools.comparison import (
+    SEMANTICS,
+    add_baseline_differences,
+    all_setups,
+    curve_rows,
+    evaluate,
+    evaluation_batches,
+    plot_curves,
+    run_setup,
+    summarize,
+    summary_table,
+    write_csv,
+)
+
+logger = logging.getLogger("compare_setups")
+
+# Quiet peers and no checkpoints: the comparison is about training, not the monitor's side jobs.
+COMMON_OVERRIDES = [
+    "monitor.wandb_mode=disabled",
+    "monitor.checkpoint_every_steps=0",
+    "monitor.refresh_seconds=0.5",
+    "training.log_every_seconds=10",
+    "training.num_threads=1",
+]
+REDUCED_OVERRIDES = [
+    "training.max_global_steps=4",
+    "collaboration.target_batch_size=64",
+    "training.local_batch_size=16",
+    "task.max_documents=3000",
+    "task.warmup_steps=1",
+    "collaboration.matchmaking_time=1.5",
+    "collaboration.averaging_timeout=20",
+]
+
+
+def parse_arguments():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/albert/tiny.yaml")
+    parser.add_argument("--workers", type=int, default=2, help="DDP workers = collaborative trainers")
+    parser.add_argument("--reduced", action="store_true", help="few steps on a small corpus (CI)")
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        default=None,
+        help=f"run only these (default: single ddp {' '.join('collab_' + s for s in SEMANTICS)})",
+    )
+    parser.add_argument("--output", default="paper_results/comparison", help="CSV, PNG and results.md go here")
+    parser.add_argument("--runs", default="outputs/compare", help="run folders (logs, histories, final models)")
+    parser.add_argument(
+        "--eval-batches",
+        type=int,
+        default=None,
+        help="fixed evaluation micro-batches scored for every final model (default 8 reduced, 32 full)",
+    )
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds allowed per setup")
+    parser.add_argument("overrides", nargs="*", help="config overrides applied to every setup")
+    return parser.parse_args()
+
+
+def machine_description() -> str:
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown CPU",
+    )
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{os.cpu_count()} CPU cores ({model}), {gpu}, Python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def git_commit() -> str:
+    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return result.stdout.strip() or "unknown"
+
+
+def load_text(load: tuple) -> str:
+    return "/".join(f"{value:.2f}" for value in load)
+
+
+@exit_on_user_error
+def main() -> None:
+    stop = StopFlag().install()
+    args = parse_arguments()
+    setup_logging("compare")
+    torch.set_num_threads(1)
+    if args.workers < 2:
+        raise ConfigError("--workers must be >= 2 (a baseline and a swarm need at least two workers)")
+    overrides = [*COMMON_OVERRIDES, *(REDUCED_OVERRIDES if args.reduced else []), *args.overrides]
+    config = load_config(args.config, overrides)  # fail fast, before any process starts
+    target, local_batch = config.collaboration.target_batch_size, config.training.local_batch_size
+    if target % (local_batch * args.workers):
+        raise ConfigError(
+            f"collaboration.target_batch_size ({target}) must be a multiple of "
+            f"training.local_batch_size x --workers ({local_batch} x {args.workers}) for the DDP baseline"
+        )
+    known = {setup.name: setup for setup in all_setups()}
+    unknown = sorted(set(args.setups or []) - set(known))
+    if unknown:
+        raise ConfigError(f"--setups: unknown setup(s) {', '.join(unknown)} (choose from {', '.join(known)})")
+    setups = [known[name] for name in args.setups] if args.setups else list(known.values())
+    output, runs = Path(args.output), Path(args.runs)
+    output.mkdir(parents=True, exist_ok=True)
+    steps = config.training.max_global_steps
+    logger.info(
+        f"comparing {', '.join(setup.name for setup in setups)}: {steps} global steps x {target} samples, "
+        f"{args.workers} workers/trainers, seed {config.training.seed}"
+    )
+
+    started, load_before = datetime.now(timezone.utc), os.getloadavg()
+    finished_runs = []
+    for index, setup in enumerate(setups, start=1):
+        logger.info(f"[{index}/{len(setups)}] {setup.name}: launching (load average {load_text(os.getloadavg())})")
+        run = run_setup(setup, args.config, overrides, runs / setup.name, args.workers, steps, args.timeout, stop)
+        logger.info(f"[{index}/{len(setups)}] {setup.name}: done in {run.finished - run.launched:.0f} s")
+        finished_runs.append(run)
+    load_after = os.getloadavg()
+
+    eval_batches = args.eval_batches or (8 if args.reduced else 32)
+    logger.info(f"scoring every final model on the same {eval_batches} evaluation batches of {local_batch}")
+    task, batches = evaluation_batches(config, eval_batches)
+    curves, summaries = [], []
+    for run in finished_runs:
+        rows = curve_rows(run)
+        curves.extend(rows)
+        summaries.append(summarize(run, rows, evaluate(task, batches, run.setup.final_model_path(run.run_dir))))
+    add_baseline_differences(summaries)
+
+    write_csv(output / "curves.csv", curves)
+    write_csv(output / "summary.csv", summaries)
+    plot_curves(
+        curves,
+        output / "loss_curves.png",
+        f"tiny ALBERT, {steps} steps x {target} samples, {args.workers} workers/trainers",
+    )
+    command = " ".join(
+        shlex.quote(part)
+        for part in [Path(sys.executable).name, "scripts/experiments/compare_setups.py", *sys.argv[1:]]
+    )
+    table = summary_table(summaries)
+    (output / "results.md").write_text(
+        f"# Collaborative vs HPC baseline: measured results\n\n"
+        f"- Command: `{command}` (commit {git_commit()}), {started:%Y-%m-%d %H:%M} UTC, "
+        f"{(datetime.now(timezone.utc) - started).total_seconds():.0f} s in all.\n"
+        f"- Machine: {machine_description()}; container. Load average (1/5/15 min) {load_text(load_before)} before "
+        f"and {load_text(load_after)} after: other jobs shared the cores unless these are below 1.\n"
+        f"- Config: `{args.config}` with overrides `{' '.join(overrides)}`; {steps} global steps x {target} samples "
+        f"= {steps * target} samples per setup; {args.workers} DDP workers (gloo) / collaborative trainers "
+        f"(+ 1 monitor, no auxiliary peer); seed {config.training.seed} everywhere.\n"
+        f"- eval loss: each setup's final model (single: the process; ddp: worker 0; collaborative: trainer0) on the "
+        f"same {eval_batches} micro-batches of {local_batch} drawn from the training corpus with a seed no setup "
+        f"trains with. vs ddp: (eval loss - ddp eval loss) / ddp eval loss.\n"
+        f"- samples/s steady: samples after the first global step / time between the first and last step; "
+        f"end-to-end: all samples / wall time from launch to exit (includes data loading and peer start-up).\n\n"
+        f"{table}\n"
+    )
+    logger.info(f"results:\n{table}")
+    logger.info(
+        f"wrote {output / 'curves.csv'}, {output / 'summary.csv'}, {output / 'loss_curves.png'}, "
+        f"{output / 'results.md'}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The HPC baseline: torch DDP (gloo, 2 CPU workers via torchrun) equals one process with the same global batch."""
+
+import pytest
+import torch
+
+from common.config import load_config
+from tests.helpers import (
+    ROOT,
+    free_port,
+    max_difference,
+    read_step_logs,
+    replay_single_process,
+    run_script,
+)
+
+TINY = str(ROOT / "configs/albert/tiny.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ddp_two_workers_equal_single_process_on_the_same_samples(tmp_path, tiny_overrides):
+    steps = 3
+    overrides = [
+        *tiny_overrides,
+        "training.backend=ddp",
+        f"training.max_global_steps={steps}",
+        "collaboration.target_batch_size=64",
+        "training.local_batch_size=16",
+        "debug.record_sample_ids=true",
+        "task.warmup_steps=1",
+        "task.classifier_dropout_prob=0.0",
+        f"training.output_dir={tmp_path}",
+    ]
+    result = run_script(
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "scripts/train.py",
+        "--config",
+        TINY,
+        *overrides,
+        timeout=360,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    history = (tmp_path / "history.jsonl").read_text().splitlines()
+    assert len(history) == steps  # one aggregated line per global step, written by worker 0
+
+    records = read_step_logs([tmp_path / f"worker{rank}" / "steps.jsonl" for rank in (0, 1)])
+    assert all(sum(len(batch["ids"]) for batch in record["micro_batches"]) == 32 for record in records)
+    single = load_config(TINY, [*overrides, "training.backend=single"])
+    reference = replay_single_process(single, records, steps)
+    for rank in (0, 1):
+        worst = max_difference(torch.load(tmp_path / f"worker{rank}" / "final_model.pt"), reference)
+        assert worst < 1e-5, f"DDP worker {rank} differs from the single-process run by {worst}"
+
+
+def test_ddp_rejects_a_global_batch_that_workers_cannot_split(tmp_path):
+    result = run_script(
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "scripts/train.py",
+        "--config",
+        TINY,
+        "training.backend=ddp",
+        "collaboration.target_batch_size=50",
+        "training.local_batch_size=16",
+        "task.max_documents=3000",
+        f"training.output_dir={tmp_path}",
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "must be a multiple of" in result.stderr
+    assert "Traceback" not in result.stderr.split("error:")[0][-200:] or "error:" in result.stderr

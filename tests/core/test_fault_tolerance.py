@@ -1,0 +1,223 @@
+"""Faults injected for real: SIGKILLed peers, late joiners, a mismatched model, NaN losses, a killed monitor,
+a corrupt checkpoint and a whole-swarm restart from the last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.checkpoints import list_checkpoints
+from common.peer import ADDRESS_FILE
+from common.report import max_parameter_difference
+from common.swarm import LocalSwarm
+from tests.helpers import FP16_TOLERANCE, ROOT, assert_no_processes_left, read_jsonl
+
+TINY = str(ROOT / "configs/albert/tiny.yaml")
+
+
+def history_steps(monitor_dir: Path) -> list:
+    return [record["step"] for record in read_jsonl(monitor_dir / "history.jsonl")]
+
+
+def logged_steps(peer_dir: Path) -> list:
+    return [record["step"] for record in read_jsonl(peer_dir / "steps.jsonl")]
+
+
+def wait_for_step(swarm: LocalSwarm, monitor_dir: Path, step: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while max(history_steps(monitor_dir), default=-1) < step:
+        assert time.monotonic() < deadline, f"the swarm did not reach step {step} in {timeout} s"
+        assert any(peer.alive() for peer in swarm.peers.values() if peer.role == "trainer"), "all trainers died"
+        time.sleep(0.5)
+
+
+def wait_for_log(path: Path, text: str, count: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() or path.read_text(errors="replace").count(text) < count:
+        assert time.monotonic() < deadline, f"{path} never logged {text!r} {count} times"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(720)
+def test_crashes_late_joiners_and_a_mismatched_model(tmp_path, tiny_overrides):
+    steps = 12
+    overrides = [
+        *tiny_overrides,
+        f"training.max_global_steps={steps}",
+        "collaboration.target_batch_size=256",
+        "collaboration.expected_peers=2",
+        "monitor.checkpoint_every_steps=0",
+    ]
+    monitor_dir = tmp_path / "monitor"
+    with LocalSwarm(TINY, tmp_path, overrides) as swarm:
+        swarm.start_first_peer("monitor", "monitor")
+        swarm.start("trainer", "trainer0")
+        swarm.start("trainer", "trainer1")
+        wait_for_step(swarm, monitor_dir, 1, timeout=300)
+        swarm.stop("trainer1", graceful=False)  # crash: SIGKILL of the whole process group, mid-run
+        swarm.start("trainer", "late1")  # a late joiner loads the swarm's state
+        wait_for_step(swarm, monitor_dir, 4, timeout=300)
+        swarm.stop("late1", graceful=False)  # crash again
+        swarm.start("trainer", "late2")
+        # A peer whose model differs from the run's is refused before it can average anything.
+        mismatched = swarm.start("trainer", "mismatched", ["task.hidden_size=64", "task.num_attention_heads=2"])
+        assert swarm.wait(["mismatched"], timeout=240)
+        assert mismatched.process.returncode == 2
+        assert "different model" in mismatched.log_path.read_text()
+        assert swarm.wait(["trainer0", "late2"], timeout=400), "survivors did not finish"
+        exit_codes = {name: swarm.peers[name].process.returncode for name in ("trainer0", "late2")}
+        swarm.stop("monitor")
+    assert exit_codes == {"trainer0": 0, "late2": 0}
+    assert_no_processes_left(tmp_path)
+
+    history = history_steps(monitor_dir)
+    assert history == sorted(set(history)), "the monitor's global step went backwards or repeated"
+    for name in ("trainer0", "trainer1", "late1", "late2"):
+        steps_seen = logged_steps(tmp_path / name)
+        assert steps_seen == sorted(set(steps_seen)), f"{name}'s global step went backwards"
+    assert logged_steps(tmp_path / "late2")[0] >= 4, "the late joiner did not load the swarm's progress"
+    for name in ("trainer0", "late2"):
+        assert json.loads((tmp_path / name / "summary.json").read_text())["global_steps"] == steps
+    difference = max_parameter_difference([tmp_path / "trainer0/final_model.pt", tmp_path / "late2/final_model.pt"])
+    assert difference < FP16_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(720)
+def test_monitor_restart_nan_peer_corrupt_checkpoint_and_resume(tmp_path, tiny_overrides):
+    first_steps, total_steps = 16, 19
+    overrides = [
+        *tiny_overrides,
+        "collaboration.target_batch_size=256",
+        "collaboration.expected_peers=2",
+        "monitor.checkpoint_every_steps=2",
+        "monitor.keep_checkpoints=5",
+    ]
+    monitor_dir = tmp_path / "monitor"
+    trainers = ["trainer0", "trainer1"]
+    with LocalSwarm(TINY, tmp_path, [*overrides, f"training.max_global_steps={first_steps}"]) as swarm:
+        swarm.start_first_peer("monitor", "monitor")
+        swarm.start("trainer", "trainer0", ["debug.inject_nonfinite_every=4"])  # every 4th loss is NaN
+        swarm.start("trainer", "trainer1")
+        wait_for_step(swarm, monitor_dir, 2, timeout=300)
+        swarm.stop("monitor", graceful=False)  # the monitor dies ...
+        swarm.initial_peers = [
+            address
+            for name in trainers  # any live peer will do
+            for address in (tmp_path / name / ADDRESS_FILE).read_text().split()
+        ]
+        swarm.start("monitor", "monitor")  # ... and comes back with its history
+        wait_for_log(monitor_dir / "peer.log", "monitor running", count=2, timeout=240)
+        assert swarm.wait(trainers, timeout=400)
+        assert all(swarm.peers[name].process.returncode == 0 for name in trainers)
+        time.sleep(3)
+        swarm.stop("monitor")
+    assert_no_processes_left(tmp_path)
+    history = history_steps(monitor_dir)
+    assert history == sorted(set(history)) and history[0] == 0, history
+    assert "resuming history" in (monitor_dir / "peer.log").read_text()
+    nan_summary = json.loads((tmp_path / "trainer0/summary.json").read_text())
+    assert nan_summary["skipped_nonfinite"] > 0 and nan_summary["global_steps"] == first_steps
+    for name in trainers:
+        state = torch.load(tmp_path / name / "final_model.pt")
+        assert all(torch.isfinite(tensor).all() for tensor in state.values() if tensor.is_floating_point())
+
+    checkpoints = list_checkpoints(monitor_dir / "checkpoints")
+    assert len(checkpoints) >= 2, checkpoints
+    newest, previous = checkpoints[-1], checkpoints[-2]
+    newest.write_bytes(newest.read_bytes()[: len(newest.read_bytes()) // 2])  # a torn write
+    previous_step = torch.load(previous, weights_only=False)["step"]
+
+    # Every peer stopped; a new swarm resumes from the last good checkpoint.
+    resumed = tmp_path / "resumed"
+    with LocalSwarm(
+        TINY,
+        resumed,
+        [
+            *overrides,
+            f"training.max_global_steps={total_steps}",
+            f"monitor.checkpoint_dir={monitor_dir / 'checkpoints'}",
+        ],
+    ) as swarm:
+        swarm.start_first_peer("monitor", "monitor")
+        for name in trainers:
+            swarm.start("trainer", name)
+        assert swarm.wait(trainers, timeout=400)
+        assert all(swarm.peers[name].process.returncode == 0 for name in trainers), [
+            swarm.peers[name].log_tail() for name in trainers
+        ]
+        swarm.stop("monitor")
+    assert_no_processes_left(tmp_path)
+    monitor_log = (resumed / "monitor/peer.log").read_text()
+    assert f"checkpoint {newest.name} is corrupt" in monitor_log
+    for name in trainers:
+        first = logged_steps(resumed / name)[0]
+        assert previous_step <= first <= previous_step + 1, f"{name} restarted at {first}, not {previous_step}"
+        assert json.loads((resumed / name / "summary.json").read_text())["global_steps"] == total_steps
+
+
+def process_groups() -> dict:
+    """pgid -> pids of every live process on the machine (zombies wait for init to reap them; they hold nothing)."""
+    listing = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True, check=True).stdout
+    groups: dict = {}
+    for line in listing.splitlines():
+        pid, pgid, state = line.split()
+        if not state.startswith("Z"):
+            groups.setdefault(int(pgid), []).append(int(pid))
+    return groups
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_peers_and_their_p2pd_exit_when_the_launcher_is_sigkilled(tmp_path, tiny_overrides):
+    # A SIGKILLed launcher cannot stop its peers; the kernel's parent-death signal must (common/swarm.py).
+    command = [
+        sys.executable,
+        str(ROOT / "scripts/local_swarm.py"),
+        "--config",
+        TINY,
+        "--trainers",
+        "1",
+        "--aux",
+        "1",
+        "--output",
+        str(tmp_path),
+        *tiny_overrides,
+        "training.max_global_steps=100000",
+    ]
+    launcher = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    peer_groups: list = []
+    try:
+        wait_for_log(tmp_path / "trainer0" / "peer.log", "start barrier passed", 1, timeout=180)
+        groups = process_groups()
+        children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        peer_groups = [int(pid) for pid in children if int(pid) in groups]  # each peer leads its own group
+        assert len(peer_groups) == 3, f"expected monitor, auxiliary and trainer under the launcher: {peer_groups}"
+        p2pd = subprocess.run(["pgrep", "p2pd"], capture_output=True, text=True).stdout.split()
+        assert sum(int(pid) in groups[pgid] for pgid in peer_groups for pid in p2pd) == 3, "each peer runs a p2pd"
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while any(pgid in process_groups() for pgid in peer_groups):
+            left = {pgid: pids for pgid, pids in process_groups().items() if pgid in peer_groups}
+            assert time.monotonic() < deadline, f"peers outlived their SIGKILLed launcher: {left}"
+            time.sleep(0.5)
+        assert_no_processes_left(tmp_path)
+    finally:
+        launcher.kill()
+        for pgid in peer_groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

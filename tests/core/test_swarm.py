@@ -1,0 +1,138 @@
+"""Real multi-process swarms over loopback: the collaborative core end to end, and the paper's central claim
+(collaborative `sync` training == synchronous large-batch training on the same samples)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from common.config import load_config
+from common.report import build_report, format_report
+from common.swarm import LocalSwarm
+from tests.helpers import (
+    FP16_TOLERANCE,
+    ROOT,
+    assert_no_processes_left,
+    max_difference,
+    read_jsonl,
+    read_step_logs,
+    replay_single_process,
+)
+
+TINY = str(ROOT / "configs/albert/tiny.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_three_trainers_aux_and_monitor_train_together(tmp_path, tiny_overrides):
+    steps = 5
+    overrides = [
+        *tiny_overrides,
+        f"training.max_global_steps={steps}",
+        "collaboration.target_batch_size=192",
+        "collaboration.expected_peers=3",
+        "monitor.checkpoint_every_steps=0",
+    ]
+    trainers = ["trainer0", "trainer1", "trainer2"]
+    with LocalSwarm(TINY, tmp_path, overrides) as swarm:
+        swarm.start_first_peer("monitor", "monitor")
+        swarm.start("auxiliary", "aux0")
+        for name in trainers:
+            swarm.start("trainer", name)
+        assert swarm.wait(trainers, timeout=480), "trainers did not finish in time"
+        exit_codes = {name: swarm.peers[name].process.returncode for name in trainers}
+        swarm.stop_many(["monitor", "aux0"])
+    assert exit_codes == {name: 0 for name in trainers}, [swarm.peers[n].log_tail() for n in trainers]
+    # both leave within the launcher's grace period, even with the auxiliary peer waiting for a round nobody joins
+    assert [swarm.peers[name].process.returncode for name in ("monitor", "aux0")] == [0, 0], [
+        swarm.peers[name].log_tail() for name in ("monitor", "aux0")
+    ]
+    assert_no_processes_left(tmp_path)
+
+    report = build_report(tmp_path, trainers, "monitor", wall_seconds=0.0, agreement_tolerance=FP16_TOLERANCE)
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in trainers]
+    assert [summary["global_steps"] for summary in summaries] == [steps] * 3
+    assert report["steps_recorded"] == steps
+    # Every trainer contributed to (almost) every step; the monitor never mixes steps.
+    assert sum(peers == 3 for peers in report["peers_per_step"]) >= steps - 1
+    history = read_jsonl(tmp_path / "monitor/history.jsonl")
+    assert [entry["step"] for entry in history] == list(range(steps))
+    # hivemind ends a step on its *estimate* of the swarm's samples, so a step may over- or undershoot a little
+    assert sum(entry["samples"] for entry in history) >= 0.9 * 192 * steps
+    assert report["loss_last"] < report["loss_first"]
+    assert report["max_param_diff"] < FP16_TOLERANCE and report["params_agree"]
+    assert f"(same within {FP16_TOLERANCE:.1e})" in format_report(report)
+
+
+# hivemind's fault-tolerance paths: a round that missed a peer or part of its results falls back to local values
+DEGRADED_ROUND_MARKERS = (
+    "Proceeding with local gradients",
+    "Averaging gradients failed",
+    "Averaging: received",
+    "Skipping pre-scheduled averaging round",
+    "used this peer's gradients only",
+)
+
+
+def degraded_rounds(peer_dirs) -> list:
+    return [
+        f"{peer_dir.name}: {line.strip()}"
+        for peer_dir in peer_dirs
+        for line in (peer_dir / "peer.log").read_text(errors="replace").splitlines()
+        if any(marker in line for marker in DEGRADED_ROUND_MARKERS)
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sync_collaboration_equals_single_process_on_the_same_samples(tmp_path, tiny_overrides):
+    # hivemind decides who joins a gradient round from its progress tracker, refreshed every 0.2-1 s here; a
+    # peer that reaches the target before it has seen the other steps alone with local gradients (by design).
+    # 512 samples take 3-6 s on this machine, so both peers see each other long before every step ends (given
+    # a sane throughput estimate at the start: see CollaborativeBackend.wait_for_swarm).
+    steps, target = 3, 512
+    overrides = [
+        *tiny_overrides,
+        f"training.max_global_steps={steps}",
+        f"collaboration.target_batch_size={target}",
+        "collaboration.expected_peers=2",
+        "collaboration.compression=none",
+        "collaboration.semantics=sync",
+        "training.local_batch_size=16",
+        "debug.record_sample_ids=true",
+        "task.warmup_steps=1",
+        # dropout draws from each process's own RNG; equivalence is about the optimisation, so no dropout
+        "task.classifier_dropout_prob=0.0",
+        # a peer still finishing its micro-batch when the round starts must not be dropped from it
+        "collaboration.matchmaking_time=4.0",
+        "collaboration.averaging_timeout=60",
+    ]
+    trainers = ["trainer0", "trainer1"]
+    # A run in which hivemind logged a degraded round (seen once in a full CI run on 2 loaded cores: a reducer's
+    # results missing, "Averaging: received 76.2% results") is not a sync run; it is repeated once, and the test
+    # fails on a mismatch in a clean run, or if both runs were degraded.
+    attempts = []
+    for attempt in range(2):
+        run_dir = tmp_path / f"attempt{attempt}"
+        with LocalSwarm(TINY, run_dir, overrides) as swarm:
+            swarm.start_first_peer("trainer", "trainer0")
+            swarm.start("trainer", "trainer1")
+            assert swarm.wait(trainers, timeout=240), "trainers did not finish in time"
+            assert all(swarm.peers[name].process.returncode == 0 for name in trainers), [
+                swarm.peers[name].log_tail() for name in trainers
+            ]
+        records = read_step_logs([run_dir / name / "steps.jsonl" for name in trainers])
+        reference = replay_single_process(load_config(TINY, [*overrides, "training.backend=single"]), records, steps)
+        # float32 sums in a different order (butterfly all-reduce vs one accumulator): measured 6e-8 to 1.2e-7
+        differences = [max_difference(torch.load(run_dir / name / "final_model.pt"), reference) for name in trainers]
+        degraded = degraded_rounds([run_dir / name for name in trainers])
+        attempts.append((differences, degraded))
+        if max(differences) < 1e-5 or not degraded:
+            break
+        warnings.warn(f"sync run {attempt} had degraded averaging rounds (differences {differences}): {degraded}")
+    assert max(attempts[-1][0]) < 1e-5, (
+        f"collaborative vs single-process parameter differences per attempt: {attempts}"
+    )

@@ -1,0 +1,88 @@
+"""What the tests share: repository paths, running scripts as a user would, JSONL logs, a free port, and a
+single-process replay of exactly the micro-batches a distributed run logged."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+TINY_ALBERT = str(ROOT / "configs/albert/tiny.yaml")
+
+from common.backends import SingleProcessBackend  # noqa: E402  (conftest puts the repository on sys.path)
+from common.config import RunConfig, load_config  # noqa: E402
+
+# How far fp16 wire compression may leave trainers apart (2 x lr with LAMB; the reasoning is in tiny.yaml).
+FP16_TOLERANCE = load_config(TINY_ALBERT).collaboration.agreement_tolerance
+
+
+def run_script(*arguments: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a repository script as a user would, capturing its output."""
+    return subprocess.run(
+        [PYTHON, *arguments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def assert_no_processes_left(run_dir: Path) -> None:
+    """No process (peer, DHT, p2pd) still mentions this run's folder."""
+    listing = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True).stdout
+    assert not listing.strip(), f"processes left behind:\n{listing}"
+
+
+def read_jsonl(path: Path) -> List[dict]:
+    """The records of a JSON-lines log (a step log, a monitor history); none if the file does not exist yet."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def read_step_logs(paths: List[Path]) -> List[dict]:
+    return [record for path in paths for record in read_jsonl(path)]
+
+
+def replay_single_process(config: RunConfig, records: List[dict], steps: int) -> Dict[str, torch.Tensor]:
+    """Train ``steps`` global steps; step s uses the union of every worker's micro-batches logged for s."""
+    from albert.task import build_task
+
+    torch.manual_seed(config.training.seed)
+    task = build_task(config)
+    backend = SingleProcessBackend(task, target_batch_size=config.collaboration.target_batch_size)
+    for step in range(steps):
+        micro_batches = [batch for record in records if record["step"] == step for batch in record["micro_batches"]]
+        total = sum(len(batch["ids"]) for batch in micro_batches)
+        # hivemind ends a step when its *estimate* of the swarm's samples reaches the target, so a step may hold a
+        # little less (496 of 512 seen): the reference then steps on exactly those samples too
+        assert total > 0, f"no micro-batch was logged for step {step}"
+        backend.target_batch_size = total
+        finished = None
+        for micro_batch in micro_batches:
+            output = task.forward(task.model, task.dataset.batch(micro_batch["ids"], micro_batch["pass"]))
+            output.loss.backward()
+            finished = backend.step(output.batch_size)
+            backend.zero_grad()
+        assert finished == step
+    return task.model.state_dict()
+
+
+def max_difference(first: Dict[str, torch.Tensor], second: Dict[str, torch.Tensor]) -> float:
+    return max(float((first[key] - second[key]).abs().max()) for key in first if first[key].is_floating_point())

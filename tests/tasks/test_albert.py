@@ -1,0 +1,81 @@
+"""ALBERT task: the paper-scale model and optimizer build on CPU; data building blocks behave."""
+
+import random
+
+import pytest
+import torch
+
+from albert.corpus import load_documents, wikitext_documents
+from albert.data import SpecialIds, create_sop_instances, mask_tokens
+from albert.task import build_task
+from common.config import load_config
+from common.errors import DataError
+from tests.helpers import ROOT
+
+
+def test_paper_config_builds_albert_large_and_its_lamb_optimizer():
+    config = load_config(ROOT / "configs/albert/paper.yaml")
+    task = build_task(config, with_data=False)
+    parameters = sum(param.numel() for param in task.model.parameters())
+    assert 17_500_000 < parameters < 18_200_000  # albert-large-v2: ~17.7 M (shared layers)
+    optimizer = task.make_optimizer(task.optimizer_param_groups())
+    scheduler = task.make_scheduler(optimizer)
+    assert type(optimizer).__name__ == "Lamb" and optimizer.defaults["lr"] == pytest.approx(0.00176)
+    no_decay = [group for group in optimizer.param_groups if group["weight_decay"] == 0.0]
+    assert no_decay and all(param.dim() == 1 for param in no_decay[0]["params"])  # biases and LayerNorms
+    # one real optimizer step on a tiny batch (random token ids: a unit test of the step, not of learning)
+    batch = {
+        "input_ids": torch.randint(5, 30000, (1, 32)),
+        "attention_mask": torch.ones(1, 32, dtype=torch.long),
+        "token_type_ids": torch.zeros(1, 32, dtype=torch.long),
+        "sentence_order_label": torch.tensor([1]),
+        "labels": torch.full((1, 32), -100),
+    }
+    batch["labels"][0, 3] = 42
+    before = task.model.albert.embeddings.word_embeddings.weight[42].clone()
+    output = task.forward(task.model, batch)
+    output.loss.backward()
+    for _ in range(2):  # warmup: the first step runs at lr 0
+        optimizer.step()
+        scheduler.step()
+    assert not torch.equal(before, task.model.albert.embeddings.word_embeddings.weight[42])
+
+
+def test_sop_instances_are_pairs_with_balanced_labels():
+    ids = SpecialIds(cls=2, sep=3, pad=0, mask=4, vocab_size=100)
+    document = [[10 + index] * 5 for index in range(40)]
+    instances = create_sop_instances(document, 32, 0.0, random.Random(0), ids)
+    assert instances
+    for instance in instances:
+        tokens = instance["input_ids"]
+        assert len(tokens) == 32 and tokens[0] == ids.cls and tokens.count(ids.sep) == 2
+    labels = [instance["sentence_order_label"] for instance in instances]
+    assert 0 in labels and 1 in labels
+
+
+def test_masking_is_deterministic_and_spares_special_tokens():
+    ids = SpecialIds(cls=2, sep=3, pad=0, mask=4, vocab_size=100)
+    tokens = torch.tensor([[2] + list(range(10, 70)) + [3, 0, 0]])
+    attention = (tokens != 0).long()
+    first = mask_tokens(tokens, attention, ids, 0.15, torch.Generator().manual_seed(7))
+    second = mask_tokens(tokens, attention, ids, 0.15, torch.Generator().manual_seed(7))
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    chosen = first[1] != -100
+    assert chosen.sum() > 0 and not chosen[0, 0] and not chosen[0, 61] and not chosen[0, -1]
+
+
+def test_wikitext_lines_become_articles():
+    lines = [
+        " = Alpha = \n",
+        " First line . \n",
+        " = = Section = = \n",
+        " More text . \n",
+        " = Beta = \n",
+        " Other . \n",
+    ]
+    assert wikitext_documents(lines) == ["First line . More text .", "Other ."]
+
+
+def test_unreachable_hub_dataset_is_a_clear_error():
+    with pytest.raises(DataError, match="hub is unreachable"):
+        load_documents("wikitext", "wikitext-103-raw-v1", None)

@@ -1,0 +1,318 @@
+"""SwAV task: paper-scale build + step, loss vs a direct computation, Sinkhorn marginals, prototype freezing,
+the global-step queue switch, the schedule, single-process training, linear evaluation and a 2-trainer swarm."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightly.loss.swav_loss import sinkhorn
+
+from common.backends import SingleProcessBackend
+from common.config import load_config
+from common.errors import ConfigError, DataError
+from common.trainer import Trainer
+from swav.data import FASHION_MNIST_DIR, crop_key, load_fashion_mnist
+from swav.linear_eval import evaluate, knn_top1, load_model
+from swav.task import build_task, learning_rate
+from tests.helpers import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs/swav/tiny.yaml")
+PAPER = str(ROOT / "configs/swav/paper.yaml")
+
+pytestmark = pytest.mark.skipif(
+    not Path(FASHION_MNIST_DIR, "train-images-idx3-ubyte.gz").exists(),
+    reason="Debian package dataset-fashion-mnist is not installed",
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_task(*overrides: str):
+    config = load_config(TINY, ["task.max_images=512", "training.local_batch_size=8", *overrides])
+    torch.manual_seed(0)
+    return build_task(config)
+
+
+def direct_swav_loss(
+    scores: list, num_large: int, temperature: float, epsilon: float, iterations: int
+) -> torch.Tensor:
+    """SwAV's loss written out from the paper: Sinkhorn-Knopp codes of each large crop, predicted by the others."""
+    total = 0.0
+    for assigned in range(num_large):
+        codes = torch.exp(scores[assigned].detach() / epsilon).t()  # prototypes x samples
+        codes /= codes.sum()
+        num_prototypes, batch = codes.shape
+        for _ in range(iterations):
+            codes /= codes.sum(dim=1, keepdim=True) * num_prototypes
+            codes /= codes.sum(dim=0, keepdim=True) * batch
+        codes = (codes * batch).t()
+        others = [view for view in range(len(scores)) if view != assigned]
+        cross_entropy = sum(
+            -(codes * F.log_softmax(scores[view] / temperature, dim=1)).sum(dim=1).mean() for view in others
+        )
+        total = total + cross_entropy / len(others)
+    return total / num_large
+
+
+def test_idx_parsing_gives_real_fashion_mnist():
+    images, labels = load_fashion_mnist("t10k")
+    assert images.shape == (10000, 28, 28) and images.dtype == np.uint8
+    assert labels.shape == (10000,) and set(np.unique(labels)) == set(range(10))
+    assert 50 < images.mean() < 100  # real product photos on a black background, not noise or zeros
+
+
+def test_missing_fashion_mnist_names_the_debian_package(tmp_path):
+    with pytest.raises(DataError, match="dataset-fashion-mnist"):
+        load_fashion_mnist("train", str(tmp_path))
+
+
+def test_missing_image_folder_is_a_data_error(tmp_path):
+    config = load_config(TINY, [f"task.dataset={tmp_path / 'no_such_imagenet'}"])
+    with pytest.raises(DataError, match="does not exist"):
+        build_task(config)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("task.crop_counts=[1,2]", "task.crop_counts"),
+        ("task.crop_min_scales=[0.5,0.2]", "task.crop_min_scales"),
+        ("task.arch=vgg", "task.arch"),
+        ("task.sinkhorn_epsilon=0", "task.sinkhorn_epsilon"),
+    ],
+)
+def test_bad_config_is_one_line_error_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(TINY, [override])
+
+
+def test_views_are_deterministic_per_sample_and_pass():
+    task = tiny_task()
+    first, again = task.dataset.batch([3, 7], 0), task.dataset.batch([3, 7], 0)
+    other_pass = task.dataset.batch([3, 7], 1)
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert not torch.equal(first[crop_key(0)], other_pass[crop_key(0)])
+    assert first[crop_key(0)].shape == (2, 3, 28, 28) and first[crop_key(2)].shape == (2, 3, 16, 16)
+    assert first["sample_ids"].tolist() == [3, 7]
+
+
+@pytest.mark.timeout(180)
+def test_paper_config_builds_resnet50_and_takes_one_step():
+    config = load_config(
+        PAPER,
+        ["task.dataset=fashion_mnist", "task.max_images=64", "task.crop_counts=[2,2]", "training.local_batch_size=2"],
+    )
+    torch.manual_seed(0)
+    task = build_task(config)
+    model = task.model
+    assert type(model.trunk).__name__ == "ResNet" and model.feature_dim == 2048
+    head = [layer for layer in model.projection_head.layers if isinstance(layer, torch.nn.Linear)]
+    assert [(layer.in_features, layer.out_features) for layer in head] == [(2048, 2048), (2048, 128)]
+    assert any(isinstance(layer, torch.nn.BatchNorm1d) for layer in model.projection_head.layers)
+    assert model.prototypes.weight.shape == (3000, 128)
+    assert task.config.queue_length == 3840 and task.config.freeze_prototypes_steps == 5005
+    assert sum(param.numel() for param in model.trunk.parameters()) == 23_508_032  # torchvision ResNet-50 trunk
+
+    backend = SingleProcessBackend(task, target_batch_size=2)
+    batch = next(task.batches(stream_seed=0))
+    assert batch[crop_key(0)].shape == (2, 3, 224, 224) and batch[crop_key(2)].shape == (2, 3, 96, 96)
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    output = task.forward(model, batch)
+    assert math.isfinite(output.loss.item())
+    output.loss.backward()
+    task.after_backward(model, backend.global_step)
+    assert backend.step(output.batch_size) == 0
+    task.on_global_step(model, 1)
+    assert backend.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate(1, task.config))
+    changed = [name for name, param in model.named_parameters() if not torch.equal(param, before[name])]
+    assert any(name.startswith("trunk.") for name in changed) and any(
+        name.startswith("projection_head.") for name in changed
+    )
+    # prototypes are frozen for the first 5005 global steps: only weight decay's radial shrink, undone by normalising
+    assert torch.allclose(model.prototypes.weight, before["prototypes.layer.weight"], atol=1e-6)
+
+
+def test_task_loss_matches_direct_computation():
+    task = tiny_task("task.queue_length=0")
+    model = task.model
+    batch = task.dataset.batch(list(range(8)), 0)
+    output = task.forward(model, batch)
+    with torch.no_grad():
+        _, scores = model([batch[crop_key(index)] for index in range(task.num_crops)])
+    direct = direct_swav_loss(list(scores.split(8)), num_large=2, temperature=0.1, epsilon=0.03, iterations=3)
+    assert output.loss.item() == pytest.approx(direct.item(), rel=1e-5)
+
+
+def test_sinkhorn_rows_and_columns():
+    generator = torch.Generator().manual_seed(0)
+    scores = (
+        F.normalize(torch.randn(64, 128, generator=generator), dim=1)
+        @ F.normalize(torch.randn(16, 128, generator=generator), dim=1).t()
+    )  # cosine scores: 64 samples, 16 prototypes
+    codes = sinkhorn(scores, iterations=3, epsilon=0.03)
+    assert torch.allclose(codes.sum(dim=1), torch.ones(64), atol=1e-5)  # each sample's code is a distribution
+    converged = sinkhorn(scores, iterations=200, epsilon=0.3)
+    assert torch.allclose(converged.sum(dim=0), torch.full((16,), 64 / 16), rtol=1e-3)  # equipartition
+    assert torch.all(codes >= 0)
+
+
+def test_queue_switches_on_at_configured_global_step():
+    task = tiny_task("task.queue_start_step=3", "task.queue_length=16")
+    model = task.model
+    batch = task.dataset.batch(list(range(8)), 0)
+    for step in (1, 2):
+        task.on_global_step(model, step)
+        assert task.queue is None
+        assert task.forward(model, batch).metrics["queue_used"] == 0.0
+    task.on_global_step(model, 3)
+    assert task.queue is not None and not task.queue.full
+    for start in (8, 16):  # 2 other micro-batches of 8 fill the 16-long queue; it is used only once full
+        assert task.forward(model, task.dataset.batch(list(range(start, start + 8)), 0)).metrics["queue_used"] == 0.0
+    assert task.queue.full
+    without_queue = tiny_task("task.queue_length=0")
+    without_queue.model.load_state_dict(model.state_dict())
+    with_queue_output = task.forward(model, batch)
+    assert with_queue_output.metrics["queue_used"] == 1.0
+    assert with_queue_output.loss.item() != pytest.approx(
+        without_queue.forward(without_queue.model, batch).loss.item()
+    )
+
+
+def test_prototypes_frozen_then_trained_and_normalised():
+    task = tiny_task("task.freeze_prototypes_steps=2")
+    model = task.model
+    batch = task.dataset.batch(list(range(8)), 0)
+    task.forward(model, batch).loss.backward()
+    task.after_backward(model, 1)
+    assert torch.count_nonzero(model.prototypes.layer.weight.grad) == 0
+    model.zero_grad()
+    task.forward(model, batch).loss.backward()
+    task.after_backward(model, 2)
+    assert torch.count_nonzero(model.prototypes.layer.weight.grad) > 0
+    with torch.no_grad():
+        model.prototypes.layer.weight.mul_(3.0)
+    task.on_global_step(model, 3)
+    assert torch.allclose(
+        model.prototypes.layer.weight.norm(dim=1), torch.ones(model.prototypes.layer.weight.shape[0])
+    )
+
+
+def test_learning_rate_schedule():
+    config = load_config(PAPER).task
+    assert learning_rate(0, config) == pytest.approx(0.3)
+    assert learning_rate(config.warmup_steps // 2, config) == pytest.approx((0.3 + 2.4) / 2, rel=1e-2)
+    assert learning_rate(config.warmup_steps, config) == pytest.approx(2.4)
+    assert learning_rate(config.total_steps, config) == pytest.approx(0.0048)
+    assert learning_rate(config.total_steps + 100, config) == pytest.approx(0.0048)
+
+
+@pytest.mark.timeout(180)
+def test_single_backend_training_lowers_the_loss(tmp_path):
+    config = load_config(
+        TINY,
+        [
+            "task.max_images=2048",
+            "training.local_batch_size=32",
+            "task.warmup_steps=2",
+            "task.total_steps=14",
+            "task.freeze_prototypes_steps=2",
+            "task.queue_length=0",
+            f"training.output_dir={tmp_path}",
+        ],
+    )
+    torch.manual_seed(0)
+    task = build_task(config)
+    backend = SingleProcessBackend(task, target_batch_size=64)
+    trainer = Trainer(
+        task,
+        backend,
+        peer_name="single",
+        stream_seed=0,
+        max_global_steps=14,
+        max_wall_seconds=150,
+        output_dir=tmp_path,
+        device=torch.device("cpu"),
+        log_every_seconds=60,
+    )
+    summary = trainer.run()
+    assert summary.global_steps == 14
+    losses = [record["loss"] for record in read_jsonl(tmp_path / "steps.jsonl")]
+    assert len(losses) == 14
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.1, losses
+
+
+def test_knn_votes_for_nearest_labels():
+    train = torch.eye(10).repeat(5, 1) + 0.01
+    labels = np.tile(np.arange(10), 5)
+    assert knn_top1(train, labels, torch.eye(10), np.arange(10), k=5) == 1.0
+    assert knn_top1(train, labels, torch.eye(10), np.roll(np.arange(10), 1), k=5) == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_linear_eval_of_random_init_is_above_chance():
+    config = load_config(TINY)
+    result = evaluate(
+        load_model(config, None), image_size=28, fashion_mnist_dir=FASHION_MNIST_DIR, max_train=1000, max_test=500
+    )
+    assert result.feature_dim == 128 and result.train_images == 1000 and result.test_images == 500
+    assert 0.3 < result.linear_top1 <= 1.0 and 0.3 < result.knn_top1 <= 1.0  # chance is 0.1
+
+
+def test_linear_eval_rejects_a_state_of_another_model(tmp_path):
+    torch.save({"unrelated.weight": torch.zeros(1)}, tmp_path / "final_model.pt")
+    with pytest.raises(DataError, match="does not fit"):
+        load_model(load_config(TINY), str(tmp_path / "final_model.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_trainer_swarm_stays_in_sync(tmp_path):
+    from common.swarm import LocalSwarm
+
+    overrides = [
+        "task.max_images=4096",
+        "training.local_batch_size=16",
+        "collaboration.target_batch_size=64",
+        "collaboration.expected_peers=2",
+        "training.max_global_steps=6",
+        "task.total_steps=6",
+        "task.warmup_steps=1",
+        "task.freeze_prototypes_steps=2",
+        "task.queue_start_step=3",
+        "task.queue_length=32",
+        "collaboration.matchmaking_time=1.0",
+        "training.log_every_seconds=5",
+    ]
+    with LocalSwarm(TINY, tmp_path, overrides) as swarm:
+        swarm.start_first_peer("trainer", "trainer0", timeout=120)
+        swarm.start("trainer", "trainer1")
+        finished = swarm.wait(["trainer0", "trainer1"], timeout=220)
+        logs = {name: peer.log_tail(8) for name, peer in swarm.peers.items()}
+        assert finished, logs
+        assert all(peer.process.returncode == 0 for peer in swarm.peers.values()), logs
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("trainer0", "trainer1")]
+    assert [summary["global_steps"] for summary in summaries] == [6, 6]
+    assert all(summary["samples"] > 0 for summary in summaries)  # both contributed
+    states = [torch.load(tmp_path / name / "final_model.pt") for name in ("trainer0", "trainer1")]
+    config = load_config(TINY)
+    torch.manual_seed(config.training.seed)
+    initial = build_task(config, with_data=False).model.state_dict()
+    parameter_names = [name for name, _ in build_task(config, with_data=False).model.named_parameters()]
+    # fp16 wire compression of gradients and state averaging: peers agree to ~1e-3, far below how far they moved
+    for name in parameter_names:
+        torch.testing.assert_close(states[0][name], states[1][name], atol=2e-3, rtol=0, msg=name)
+    moved = max(float((states[0][name] - initial[name]).abs().max()) for name in parameter_names)
+    assert moved > 2e-2

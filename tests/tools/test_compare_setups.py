@@ -1,0 +1,122 @@
+"""The collaborative-vs-HPC comparison: the paper-scale baseline config, and the experiment script end to end."""
+
+import csv
+import os
+import signal
+import subprocess
+
+import pytest
+from omegaconf import OmegaConf
+
+from common.config import Backend, load_config
+from tests.helpers import PYTHON, ROOT, run_script
+
+PAPER_WORKERS = 8  # the paper's HPC baseline: 8 x V100 with all-reduce
+
+
+def test_paper_baseline_config_is_the_paper_recipe_on_ddp_with_a_consistent_global_batch():
+    baseline = load_config(ROOT / "configs/albert/baseline_paper.yaml")
+    collaborative = load_config(ROOT / "configs/albert/paper.yaml")
+    assert baseline.training.backend == Backend.ddp
+    assert baseline.training.precision == "fp16"
+    assert baseline.task == collaborative.task  # same model, data and LAMB schedule as the collaborative run
+    assert baseline.collaboration.target_batch_size == collaborative.collaboration.target_batch_size == 4096
+    micro_batches_per_step = baseline.training.local_batch_size * PAPER_WORKERS
+    assert baseline.collaboration.target_batch_size % micro_batches_per_step == 0
+    accumulation = baseline.collaboration.target_batch_size // micro_batches_per_step
+    assert baseline.training.local_batch_size * accumulation * PAPER_WORKERS == 4096
+    assert baseline.training.max_global_steps == collaborative.training.max_global_steps
+    assert (
+        OmegaConf.load(ROOT / "configs/albert/baseline_paper.yaml").task
+        == OmegaConf.load(ROOT / "configs/albert/paper.yaml").task
+    )  # the YAML copies stay identical too
+
+
+def test_compare_setups_rejects_a_global_batch_the_workers_cannot_split(tmp_path):
+    result = run_script(
+        "scripts/experiments/compare_setups.py",
+        "--reduced",
+        "--workers",
+        "3",
+        "--output",
+        str(tmp_path),
+        "--runs",
+        str(tmp_path / "runs"),
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "must be a multiple of" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs").exists()  # refused before any process started
+
+
+def run_until_done(arguments: list, timeout: float) -> subprocess.CompletedProcess:
+    """Run the script; on timeout SIGTERM it so it stops the setup it is running (whose peers have own sessions)."""
+    process = subprocess.Popen(
+        [PYTHON, *arguments],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=60)
+        pytest.fail(f"compare_setups.py did not finish within {timeout:.0f} s: {stderr[-1500:]}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+SETUPS = ["single", "ddp", "collab_sync", "collab_dpu", "collab_local"]
+REDUCED_STEPS, REDUCED_TARGET = 4, 64
+
+
+def check_comparison_outputs(output) -> None:
+    with (output / "summary.csv").open() as handle:
+        summary = {row["setup"]: row for row in csv.DictReader(handle)}
+    assert list(summary) == SETUPS
+    for name, row in summary.items():
+        assert int(row["steps"]) == REDUCED_STEPS, name
+        assert 4.0 < float(row["eval_loss"]) < 20.0, name  # a real cross-entropy of an untrained ALBERT head
+        assert float(row["samples_per_second_end_to_end"]) > 0, name
+    # single and DDP do exactly the global batch per step; hivemind counts reported samples toward the target
+    assert int(summary["single"]["samples"]) == int(summary["ddp"]["samples"]) == REDUCED_STEPS * REDUCED_TARGET
+    assert float(summary["ddp"]["eval_loss_vs_ddp_percent"]) == 0.0
+
+    with (output / "curves.csv").open() as handle:
+        curves = list(csv.DictReader(handle))
+    for name in SETUPS:
+        own = [row for row in curves if row["setup"] == name]
+        assert [int(row["step"]) for row in own] == list(range(REDUCED_STEPS)), name
+        seen = [int(row["samples_seen"]) for row in own]
+        assert seen == sorted(seen) and seen[0] > 0, name
+    assert (output / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = (output / "results.md").read_text()
+    assert "scripts/experiments/compare_setups.py --reduced" in results and "Load average" in results
+    assert all(f"| {name} |" in results for name in SETUPS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1260)
+def test_reduced_comparison_runs_every_setup_and_writes_csv_png_and_results(tmp_path):
+    output = tmp_path / "results"
+    result = run_until_done(
+        [
+            "scripts/experiments/compare_setups.py",
+            "--reduced",
+            "--output",
+            str(output),
+            "--runs",
+            str(tmp_path / "runs"),
+        ],
+        timeout=1140,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[1/5] single: launching" in result.stderr and "[5/5] collab_local: done in" in result.stderr
+    check_comparison_outputs(output)

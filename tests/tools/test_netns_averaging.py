@@ -1,0 +1,133 @@
+"""hivemind all-reduce across emulated hosts (common/tools/allreduce.py) and its bandwidth lower bound."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.tools import allreduce as benchmark
+from common.tools.netns import HostSpec, NetworkEmulationUnavailable, check_available, list_namespaces
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "experiments" / "averaging_benchmark.py"
+
+
+def _unavailable():
+    try:
+        check_available(need_firewall=True)
+    except NetworkEmulationUnavailable as error:
+        return str(error)
+    return None
+
+
+needs_namespaces = pytest.mark.skipif(
+    _unavailable() is not None, reason=f"network namespaces unavailable: {_unavailable()}"
+)
+
+
+def test_symmetric_bound_is_two_n_minus_one_over_n_of_the_vector_over_one_link():
+    hosts = [HostSpec(f"p{i}", upload_mbit=100, download_mbit=100) for i in range(4)]
+    vector_bytes = 10e6
+    bounds = benchmark.lower_bounds(hosts, vector_bytes)
+    expected = 2 * 3 / 4 * vector_bytes * 8 / 100e6
+    assert bounds["bound_uniform_s"] == pytest.approx(expected)
+    assert bounds["bound_optimal_s"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_skewed_links_make_the_best_split_beat_the_uniform_one():
+    hosts = [HostSpec("fast", upload_mbit=500, download_mbit=500)] + [
+        HostSpec(f"slow{i}", upload_mbit=50, download_mbit=50) for i in range(3)
+    ]
+    bounds = benchmark.lower_bounds(hosts, 10e6)
+    # uniform: a slow peer moves 1.5 V over 50 Mb/s; best: slow peers reduce nothing and move just V
+    assert bounds["bound_uniform_s"] == pytest.approx(1.5 * 10e6 * 8 / 50e6)
+    assert bounds["bound_optimal_s"] == pytest.approx(10e6 * 8 / 50e6, rel=1e-6)
+
+
+def test_client_mode_and_aux_peers_in_the_bound():
+    hosts = [
+        HostSpec("public", upload_mbit=100, download_mbit=100),
+        HostSpec("home", upload_mbit=10, download_mbit=50, accepts_inbound=False),
+        HostSpec("aux", role="auxiliary", upload_mbit=100, download_mbit=100),
+    ]
+    bounds = benchmark.lower_bounds(hosts, 1e6)
+    # the client-mode peer reduces nothing but must still upload its whole vector over 10 Mb/s
+    assert bounds["bound_optimal_s"] == pytest.approx(1e6 * 8 / 10e6, rel=1e-6)
+    assert bounds["bound_uniform_s"] == pytest.approx(1e6 * 8 / 10e6)
+
+
+def _run_benchmark(tmp_path, setup_yaml, *extra):
+    setup = tmp_path / "setup.yaml"
+    setup.write_text(setup_yaml)
+    before = set(list_namespaces())
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--setups",
+            str(setup),
+            "--params",
+            "200000",
+            "--rounds",
+            "2",
+            "--matchmaking-time",
+            "1",
+            "--setup-timeout",
+            "100",
+            "--output-dir",
+            str(tmp_path),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(list_namespaces()) == before, "namespaces left behind"
+    leftover = subprocess.run(["pgrep", "-f", "common.tools.allreduce"], capture_output=True, text=True)
+    assert not leftover.stdout.strip(), "averaging workers outlived the benchmark"
+    with (tmp_path / "averaging.csv").open() as handle:
+        return list(csv.DictReader(handle)), result.stderr
+
+
+@needs_namespaces
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_peers_across_namespaces_average_correctly(tmp_path):
+    rows, _ = _run_benchmark(
+        tmp_path,
+        "name: two\nhosts:\n"
+        "  - {name: a, upload_mbit: 100, download_mbit: 100}\n"
+        "  - {name: b, upload_mbit: 50, download_mbit: 50}\n",
+    )
+    (row,) = rows
+    assert row["rounds_ok"] == "2"
+    assert float(row["max_relative_l2_error"]) < 1e-3  # fp16 on the wire
+    assert float(row["round_s_median"]) >= float(row["bound_optimal_s"])  # no faster than the links allow
+    assert (tmp_path / "averaging.png").stat().st_size > 0
+
+
+@needs_namespaces
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_client_mode_peer_behind_no_inbound_host_contributes(tmp_path):
+    # each peer holds (rank + 1) x a shared pattern; the result is only correct if the NAT peer's vector is in it
+    rows, _ = _run_benchmark(
+        tmp_path,
+        "name: nat\nhosts:\n"
+        "  - {name: public0, upload_mbit: 100, download_mbit: 100}\n"
+        "  - {name: public1, upload_mbit: 100, download_mbit: 100}\n"
+        "  - {name: home, upload_mbit: 20, download_mbit: 50, accepts_inbound: false}\n",
+    )
+    (row,) = rows
+    assert row["client_mode_peers"] == "1" and row["peers"] == "3"
+    assert row["rounds_ok"] == "2"
+    assert float(row["max_relative_l2_error"]) < 1e-3
+
+
+def test_uncapped_hosts_have_no_bandwidth_bound():
+    bounds = benchmark.lower_bounds([HostSpec("a"), HostSpec("b")], 1e6)
+    assert bounds == {"bound_uniform_s": 0.0, "bound_optimal_s": 0.0}

@@ -1,0 +1,83 @@
+"""The participation replay driver with real peers: joins, a graceful leave, a crash and a late join."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from common.swarm import LocalSwarm
+from common.tools.participation import ExitKind, ParticipantKind, Session, compress_trace
+from common.tools.replay import ReplayDriver, write_outputs
+from tests.helpers import ROOT, read_jsonl
+
+TINY = str(ROOT / "configs/albert/tiny.yaml")
+
+
+def session(participant: str, start: float, end: float, exit_kind: ExitKind) -> Session:
+    # one trace hour = one replay second here (the schedule below spans 220 "hours" compressed to 220 s)
+    return Session(participant, start, end, ParticipantKind.organiser, exit_kind, "T4", 1.0)
+
+
+def processes_mentioning(path: Path) -> str:
+    return subprocess.run(["pgrep", "-af", str(path)], capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_short_replay_keeps_training_through_leaves_crashes_and_late_joins(tmp_path, tiny_overrides):
+    trace = [
+        session("alice", 0, 140, ExitKind.graceful),
+        session("bob", 0, 75, ExitKind.crash),
+        session("carol", 70, 220, ExitKind.graceful),  # joins late: loads the swarm's state from a peer
+    ]
+    schedule = compress_trace(trace, max_concurrent=3, duration_seconds=220, min_session_seconds=20)
+    assert schedule.sessions_replayed == 3
+    overrides = [
+        *tiny_overrides,
+        "collaboration.expected_peers=1",
+        "training.max_global_steps=100000",
+        "collaboration.target_batch_size=64",
+        "monitor.checkpoint_every_steps=2",
+    ]
+    run_dir = tmp_path / "run"
+    with LocalSwarm(TINY, run_dir, overrides) as swarm:
+        record = ReplayDriver(swarm, schedule, memory_every_seconds=5.0).run()
+    summary = write_outputs(record, schedule, run_dir, tmp_path / "results", memory_warmup_seconds=60)
+
+    assert not processes_mentioning(tmp_path), "peers outlived the replay"
+    name_of = {s.participant: s.peer_name for s in record.sessions}
+    assert record.exits == {name_of["alice"]: "graceful", name_of["bob"]: "crash", name_of["carol"]: "graceful"}
+    assert record.exit_codes[name_of["alice"]] == 0 and record.exit_codes[name_of["carol"]] == 0, {
+        name: swarm.peers[name].log_tail() for name in name_of.values()
+    }
+
+    history = read_jsonl(run_dir / "monitor/history.jsonl")
+    steps = [entry["step"] for entry in history]
+    assert len(steps) >= 3 and all(b > a for a, b in zip(steps, steps[1:])), steps
+    own_steps = {}
+    for participant, peer_name in name_of.items():  # no trainer's own step ever goes backwards either
+        own_steps[participant] = read_jsonl(run_dir / peer_name / "steps.jsonl")
+        own = [entry["step"] for entry in own_steps[participant]]
+        assert all(b > a for a, b in zip(own, own[1:])), (peer_name, own)
+    assert own_steps["carol"] and own_steps["carol"][0]["step"] > 0, (
+        "the late joiner started over instead of loading the swarm's state"
+    )
+
+    ended = {s.participant: s.end_time for s in record.sessions}
+    assert any(entry["time"] > ended["bob"] for entry in own_steps["alice"]), "training stopped after the crash"
+    alice_last = max(entry["step"] for entry in own_steps["alice"])
+    after_leave = [e for e in history if e["step"] > alice_last]
+    assert after_leave and all(list(e["contributions"]) == [name_of["carol"]] for e in after_leave), (
+        "training stopped (or the departed peers still counted) after the graceful leave"
+    )
+
+    rows = {line.split(",")[1]: line for line in (tmp_path / "results/leaderboard.csv").read_text().splitlines()[1:]}
+    assert set(rows) == {"alice", "bob", "carol"}, rows
+    assert summary["leaderboard_samples"] == summary["total_samples"] == sum(e["samples"] for e in history)
+    live_board = json.loads((run_dir / "monitor/leaderboard.json").read_text())  # the monitor's own, per peer
+    assert sum(row["samples"] for row in live_board) == summary["total_samples"]
+    assert summary["steps_strictly_increasing"]
+    assert (tmp_path / "results/replay.png").stat().st_size > 10_000
