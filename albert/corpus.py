@@ -1,4 +1,4 @@
-"""Text corpora as lists of documents: the offline English Wikipedia (DATA.md), WikiText-103, local files."""
+"""Text corpora as lists of documents: the offline English Wikipedia, WikiText-103, local files."""
 
 from __future__ import annotations
 

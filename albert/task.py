@@ -48,7 +48,7 @@ class TaskConfig:
     num_attention_heads: int = 4
     intermediate_size: int = 1024
     classifier_dropout_prob: float = 0.1  # albert-large-v2: dropout only in the sentence-order head
-    # optimizer: LAMB (DESIGN.md section 2)
+    # optimizer: LAMB (the paper)
     learning_rate: float = 0.00176
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-6

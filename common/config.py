@@ -21,7 +21,7 @@ from common.errors import ConfigError
 
 
 class Semantics(str, enum.Enum):
-    """How hivemind.Optimizer applies the averaged update (DESIGN.md section 1)."""
+    """How hivemind.Optimizer applies the averaged update (the paper's section 3)."""
 
     sync = "sync"  # the paper: equivalent to synchronous large-batch training
     dpu = "dpu"  # delayed parameter updates: average and step in the background, one step stale

@@ -1,4 +1,4 @@
-"""Build the offline Bengali stand-in sources (DATA.md): ``python scripts/prepare_bengali_data.py``.
+"""Build the offline Bengali stand-in sources: ``python scripts/prepare_bengali_data.py``.
 
 Needs ``apt-get update`` to have run (it calls ``apt-get download``; nothing is installed) and wordfreq.
 Writes ``<output>/wikipedia_standin/ui_strings.jsonl`` and ``<output>/oscar_standin/word_lists.jsonl``.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine: Python venv with the pinned requirements, and the offline data sets
-# (DATA.md) that come from Debian packages. Re-running it only does what changed.
+# that come from Debian packages. Re-running it only does what changed.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="$ROOT/.venv"

@@ -1,4 +1,4 @@
-"""Offline Bengali material (DATA.md) written as two local sources in the hub schema (JSON lines, ``text``).
+"""Offline Bengali material written as two local sources in the hub schema (JSON lines, ``text``).
 
 NOT a pretraining corpus: there is no running Bengali text that installs offline. The two stand-ins are
   * ``wikipedia_standin``: ~10k real Bengali sentences and phrases, the translated user-interface strings of

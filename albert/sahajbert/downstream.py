@@ -3,7 +3,7 @@ seqeval F1) and sequence classification (accuracy) with several seeds, select th
 metric, report the test metric of the selected epoch as mean +- std over seeds.
 
 Full scale: WikiANN-bn (hub ``wikiann``/``bn``) and IndicGLUE ``sna.bn`` (hub ``ai4bharat/indic_glue``).
-Offline substitutes (DATA.md; English, so they evaluate the pipeline, not Bengali ability):
+Offline substitutes (installed offline; English, so they evaluate the pipeline, not Bengali ability):
   * ``wiki_topic``: the topic label (12 classes) of 10,033 English Wikipedia lead sections;
   * ``wiki_mentions``: link-anchor mention tagging (B-LINK/I-LINK/O) on gensim's test Wikipedia dump, built the
     way WikiANN was (anchors of ``[[target|anchor]]`` links are the tagged spans).

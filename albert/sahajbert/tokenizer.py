@@ -1,4 +1,4 @@
-"""The sahajBERT tokenizer (DESIGN.md section 2), built only from ``tokenizers`` components.
+"""The sahajBERT tokenizer (the paper), built only from ``tokenizers`` components.
 
 Normalisation, in order:
   1. NMT: drops control characters and maps the unusual spaces NMT data carries to a plain space.

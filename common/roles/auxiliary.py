@@ -1,4 +1,4 @@
-"""Auxiliary role: a CPU peer with no data that takes a share of every all-reduce (DESIGN.md section 1).
+"""Auxiliary role: a CPU peer with no data that takes a share of every all-reduce (the paper's section 3).
 
 It must accept inbound connections (no client mode). Its loop calls ``step()`` often, so it pre-schedules
 matchmaking as soon as the swarm's next step is near and does not miss rounds.

@@ -9,9 +9,9 @@ A global step takes
 
 Averaging (a swarm) is hivemind's butterfly all-reduce of an S-byte vector (parameters x bytes/param on the
 wire). The split w_i comes from hivemind itself, ``hivemind.averaging.load_balancing.load_balance_peers``
-(the LP of DESIGN.md section 1: min xi s.t. (1 + (n-2) w_i) / b_i <= xi, sum w_i = 1, client-mode peers
-w_i = 0), fed with each peer's bandwidth min(upload, download) exactly as hivemind's averager is fed its
-declared bandwidth. Given the split, peer i moves
+(the linear program DeDLOC's load balancing solves: min xi s.t. (1 + (n-2) w_i) / b_i <= xi, sum w_i = 1,
+client-mode peers w_i = 0), fed with each peer's bandwidth min(upload, download) exactly as hivemind's
+averager is fed its declared bandwidth. Given the split, peer i moves
 
     sender (trainer)     upload = download = S * (1 - w_i) + S * w_i * (n_senders - 1) = S * (1 + (n_senders - 2) w_i)
     auxiliary (no grads) upload = download = S * w_i * n_senders

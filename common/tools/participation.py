@@ -5,9 +5,9 @@ A trace is a list of sessions: one participant online on one machine from ``star
 ``participant, start_hour, end_hour, kind, exit, hardware, samples_per_second`` with kind volunteer | organiser |
 preemptible and exit graceful | crash.
 
-Generator (:func:`generate_event_trace`). Published statistics (DESIGN.md section 2; sahajBERT blog and model
-card): 40 participants = 30 volunteers + 10 organisers, 600 sessions averaging 4 h, the longest 21 h, over 9
-days (May 12-21 2021), plus 16 preemptible T4s; volunteers in client mode. Everything else is an ASSUMPTION:
+Generator (:func:`generate_event_trace`); its defaults are sahajBERT's published statistics (blog post and
+model card): 40 participants = 30 volunteers + 10 organisers, 600 sessions averaging 4 h, the longest 21 h,
+over 9 days (May 12-21 2021), plus 16 preemptible T4s; volunteers in client mode. Everything else is an ASSUMPTION:
 
 - session lengths are gamma-distributed (shape 1.5, the mean of 4 h), clipped to [0.25 h, 21 h]; the longest
   draw is set to exactly 21 h and the others rescaled so the mean is 4 h;

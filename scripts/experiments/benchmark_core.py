@@ -1,4 +1,4 @@
-"""Benchmark of the collaborative core on this machine (issue: collaborative core), written to paper_results/core/.
+"""Benchmark of the collaborative core on this machine, written to paper_results/core/.
 
 1. The embedded default: monitor + N trainers + 1 auxiliary peer (local_swarm.py) -> wall time, samples/s per peer.
 2. The same loop with a plain torch optimizer (single backend), N copies side by side for the same CPU load

@@ -358,7 +358,7 @@ def parse_arguments() -> argparse.Namespace:
         "--round-overhead-seconds",
         type=float,
         default=1.0,
-        help="fixed cost of one averaging round (DESIGN.md section 4: ~1 s on loopback)",
+        help="fixed cost of one averaging round (~1 s on loopback)",
     )
     validate.add_argument(
         "--network-setup",

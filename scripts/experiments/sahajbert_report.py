@@ -20,7 +20,7 @@ from common.lifecycle import setup_logging
 
 logger = logging.getLogger(__name__)
 
-# DESIGN.md section 2 (sahajBERT model card / blog): mean +- std over 3 fine-tunes.
+# The sahajBERT model card and blog post: mean +- std over 3 fine-tunes.
 PUBLISHED = [
     ("sahajBERT (ALBERT-large, 18M params, collaborative)", "95.45 ± 0.53", "91.97 ± 0.47"),
     ("XLM-R-large", "96.48 ± 0.22", "90.05 ± 0.38"),
