@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +35,21 @@ def run_script(*arguments: str, timeout: float = 180, env: dict | None = None) -
         timeout=timeout,
         env={**os.environ, **(env or {})},
         stdin=subprocess.DEVNULL,
+    )
+
+
+def run_ddp_training(*overrides: str, workers: int = 2, timeout: float = 360) -> subprocess.CompletedProcess:
+    """The HPC baseline as a user launches it: torchrun with ``workers`` processes of scripts/train.py."""
+    return run_script(
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={workers}",
+        f"--master_port={free_port()}",
+        "scripts/train.py",
+        "--config",
+        TINY_ALBERT,
+        *overrides,
+        timeout=timeout,
     )
 
 
@@ -86,3 +102,19 @@ def replay_single_process(config: RunConfig, records: List[dict], steps: int) ->
 
 def max_difference(first: Dict[str, torch.Tensor], second: Dict[str, torch.Tensor]) -> float:
     return max(float((first[key] - second[key]).abs().max()) for key in first if first[key].is_floating_point())
+
+
+def network_emulation_unavailable() -> str | None:
+    """Why emulated hosts cannot be built here (not root, no nftables, ...), or None when they can."""
+    from common.tools.netns import NetworkEmulationUnavailable, check_available
+
+    try:
+        check_available(need_firewall=True)
+    except NetworkEmulationUnavailable as error:
+        return str(error)
+    return None
+
+
+def needs_network_namespaces(test):
+    reason = network_emulation_unavailable()
+    return pytest.mark.skipif(reason is not None, reason=f"network namespaces unavailable: {reason}")(test)

@@ -4,16 +4,7 @@ import pytest
 import torch
 
 from common.config import load_config
-from tests.helpers import (
-    ROOT,
-    free_port,
-    max_difference,
-    read_step_logs,
-    replay_single_process,
-    run_script,
-)
-
-TINY = str(ROOT / "configs/albert/tiny.yaml")
+from tests.helpers import TINY_ALBERT, max_difference, read_step_logs, replay_single_process, run_ddp_training
 
 
 @pytest.mark.slow
@@ -31,24 +22,14 @@ def test_ddp_two_workers_equal_single_process_on_the_same_samples(tmp_path, tiny
         "task.classifier_dropout_prob=0.0",
         f"training.output_dir={tmp_path}",
     ]
-    result = run_script(
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "scripts/train.py",
-        "--config",
-        TINY,
-        *overrides,
-        timeout=360,
-    )
+    result = run_ddp_training(*overrides)
     assert result.returncode == 0, result.stderr[-2000:]
     history = (tmp_path / "history.jsonl").read_text().splitlines()
     assert len(history) == steps  # one aggregated line per global step, written by worker 0
 
     records = read_step_logs([tmp_path / f"worker{rank}" / "steps.jsonl" for rank in (0, 1)])
     assert all(sum(len(batch["ids"]) for batch in record["micro_batches"]) == 32 for record in records)
-    single = load_config(TINY, [*overrides, "training.backend=single"])
+    single = load_config(TINY_ALBERT, [*overrides, "training.backend=single"])
     reference = replay_single_process(single, records, steps)
     for rank in (0, 1):
         worst = max_difference(torch.load(tmp_path / f"worker{rank}" / "final_model.pt"), reference)
@@ -56,14 +37,7 @@ def test_ddp_two_workers_equal_single_process_on_the_same_samples(tmp_path, tiny
 
 
 def test_ddp_rejects_a_global_batch_that_workers_cannot_split(tmp_path):
-    result = run_script(
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "scripts/train.py",
-        "--config",
-        TINY,
+    result = run_ddp_training(
         "training.backend=ddp",
         "collaboration.target_batch_size=50",
         "training.local_batch_size=16",

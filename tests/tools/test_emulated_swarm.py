@@ -5,26 +5,13 @@ import json
 
 import pytest
 
-from common.errors import UserError
-from tests.helpers import FP16_TOLERANCE, ROOT, run_script
+from tests.helpers import FP16_TOLERANCE, ROOT, needs_network_namespaces, run_script
 
 
-def namespaces_available() -> str:
-    from common.tools.netns import check_available
-
-    try:
-        check_available(need_firewall=True)
-    except UserError as error:
-        return str(error)
-    return ""
-
-
+@needs_network_namespaces
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_albert_swarm_trains_across_emulated_hosts(tmp_path):
-    reason = namespaces_available()
-    if reason:
-        pytest.skip(f"network namespaces unavailable here: {reason}")
     result = run_script(
         "scripts/local_swarm.py",
         "--config",

@@ -14,26 +14,12 @@ from common.tools.netns import (
     EmulatedNetwork,
     HostSpec,
     NetworkEmulationUnavailable,
-    check_available,
     list_namespaces,
     load_network_setup,
 )
+from tests.helpers import needs_network_namespaces
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _emulation_unavailable_reason():
-    try:
-        check_available(need_firewall=True)
-    except NetworkEmulationUnavailable as error:
-        return str(error)
-    return None
-
-
-needs_namespaces = pytest.mark.skipif(
-    _emulation_unavailable_reason() is not None,
-    reason=f"network namespaces unavailable: {_emulation_unavailable_reason()}",
-)
 
 
 @pytest.fixture
@@ -77,7 +63,7 @@ def test_without_root_says_so(monkeypatch):
             pass
 
 
-@needs_namespaces
+@needs_network_namespaces
 @pytest.mark.timeout(60)
 def test_hosts_reach_each_other_and_no_inbound_host_refuses(no_leaked_namespaces):
     hosts = [HostSpec("public"), HostSpec("behind_nat", accepts_inbound=False)]
@@ -110,7 +96,7 @@ def test_hosts_reach_each_other_and_no_inbound_host_refuses(no_leaked_namespaces
                 assert "timed out" in reached.stderr  # inbound to the NAT host is dropped
 
 
-@needs_namespaces
+@needs_network_namespaces
 @pytest.mark.timeout(60)
 def test_failure_inside_removes_namespaces_and_kills_processes(no_leaked_namespaces):
     with pytest.raises(RuntimeError, match="boom"):
@@ -126,7 +112,7 @@ def test_failure_inside_removes_namespaces_and_kills_processes(no_leaked_namespa
     assert not set(names) & set(list_namespaces())
 
 
-@needs_namespaces
+@needs_network_namespaces
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_rate_limited_link_measures_within_15_percent_of_its_limit(tmp_path, no_leaked_namespaces):

@@ -8,23 +8,11 @@ from pathlib import Path
 import pytest
 
 from common.tools import allreduce as benchmark
-from common.tools.netns import HostSpec, NetworkEmulationUnavailable, check_available, list_namespaces
+from common.tools.netns import HostSpec, list_namespaces
+from tests.helpers import needs_network_namespaces
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "experiments" / "averaging_benchmark.py"
-
-
-def _unavailable():
-    try:
-        check_available(need_firewall=True)
-    except NetworkEmulationUnavailable as error:
-        return str(error)
-    return None
-
-
-needs_namespaces = pytest.mark.skipif(
-    _unavailable() is not None, reason=f"network namespaces unavailable: {_unavailable()}"
-)
 
 
 def test_symmetric_bound_is_two_n_minus_one_over_n_of_the_vector_over_one_link():
@@ -93,7 +81,7 @@ def _run_benchmark(tmp_path, setup_yaml, *extra):
         return list(csv.DictReader(handle)), result.stderr
 
 
-@needs_namespaces
+@needs_network_namespaces
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_peers_across_namespaces_average_correctly(tmp_path):
@@ -110,7 +98,7 @@ def test_two_peers_across_namespaces_average_correctly(tmp_path):
     assert (tmp_path / "averaging.png").stat().st_size > 0
 
 
-@needs_namespaces
+@needs_network_namespaces
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_client_mode_peer_behind_no_inbound_host_contributes(tmp_path):
