@@ -9,16 +9,17 @@ from typing import Iterable, Iterator, List, Optional
 
 import torch
 from timm.optim import Lamb
-from transformers import AlbertConfig, AlbertForPreTraining, get_linear_schedule_with_warmup
+from transformers import AlbertConfig, AlbertForPreTraining, PreTrainedTokenizerFast, get_linear_schedule_with_warmup
 
 from albert.corpus import OFFLINE_WIKIPEDIA, load_documents
 from albert.data import SopDataset, build_examples, cache_key, load_or_build_examples, special_ids
-from albert.sahajbert.data import BENGALI_STREAM, StreamConfig, build_streaming_dataset
+from albert.export import export_albert
+from albert.sahajbert.data import BENGALI_STREAM, StreamConfig, bengali_tokenizer_folder, build_streaming_dataset
 from albert.tokenizer import load_or_train_tokenizer
 from common.config import RunConfig, require
 from common.errors import DataError
 from common.hivemind_compat import prefill_optimizer_state
-from common.task import Batch, StepOutput, Task
+from common.task import Batch, ExportFacts, StepOutput, Task
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +102,21 @@ def no_decay(name: str) -> bool:
 
 
 class AlbertTask(Task):
-    def __init__(self, config: TaskConfig, local_batch_size: int, dataset: Optional[SopDataset], vocab_size: int):
+    def __init__(
+        self,
+        config: TaskConfig,
+        local_batch_size: int,
+        dataset: Optional[SopDataset],
+        vocab_size: int,
+        tokenizer: Optional[PreTrainedTokenizerFast] = None,
+    ):
         self.config, self.local_batch_size, self.dataset = config, local_batch_size, dataset
+        self.tokenizer = tokenizer
         self.model = build_model(config, vocab_size)
+
+    def export_pretrained(self, model: torch.nn.Module, folder: Path, facts: ExportFacts) -> Path:
+        tokenizer = self.tokenizer if self.tokenizer is not None else cached_tokenizer(self.config)
+        return export_albert(model, tokenizer, folder, facts, describe_data(self.config))
 
     def optimizer_param_groups(self) -> list:
         named = [(name, param) for name, param in self.model.named_parameters() if param.requires_grad]
@@ -171,6 +184,39 @@ class AlbertTask(Task):
         )
 
 
+def tokenizer_folder(config: TaskConfig) -> Path:
+    """Where a tokenizer trained on the corpus is cached (its name hashes what it was trained on)."""
+    if config.corpus == BENGALI_STREAM:
+        return bengali_tokenizer_folder(config)
+    key = cache_key(config.corpus, config.dataset_config, config.max_documents, config.vocab_size)
+    return Path(config.cache_dir) / f"tokenizer-{key}"
+
+
+def cached_tokenizer(config: TaskConfig) -> Optional[PreTrainedTokenizerFast]:
+    """The run's tokenizer without building any data: a peer without data (the monitor) exports it beside the
+    weights when this machine has it (the trained one in the cache, or a local folder named by task.tokenizer)."""
+    if config.tokenizer != "train":
+        return PreTrainedTokenizerFast.from_pretrained(config.tokenizer) if Path(config.tokenizer).is_dir() else None
+    folder = tokenizer_folder(config)
+    return PreTrainedTokenizerFast.from_pretrained(str(folder)) if (folder / "tokenizer.json").exists() else None
+
+
+def describe_data(config: TaskConfig) -> str:
+    """The model card's training-data paragraph."""
+    if config.corpus == OFFLINE_WIKIPEDIA:
+        source = "the offline English Wikipedia corpus shipped with the environment (article lead sections)"
+    elif config.corpus == BENGALI_STREAM:
+        source = f"a streamed mix of Bengali sources ({', '.join(config.stream.sources)})"
+    else:
+        source = f"`{config.corpus}`" + (f" ({config.dataset_config})" if config.dataset_config else "")
+    limit = f", first {config.max_documents} documents" if config.max_documents else ""
+    return (
+        f"Masked language modelling ({config.mlm_probability:.0%} of tokens) and sentence-order prediction on "
+        f"{source}{limit}, in segment pairs of {config.max_seq_length} tokens; tokenizer: "
+        f"{'a Unigram model trained on the corpus' if config.tokenizer == 'train' else config.tokenizer}."
+    )
+
+
 def build_dataset(config: TaskConfig):
     """Tokenizer + cached SOP examples for the configured corpus (or the streamed sahajBERT mix)."""
     if config.corpus == BENGALI_STREAM:
@@ -185,9 +231,7 @@ def build_dataset(config: TaskConfig):
 
     cache_root = Path(config.cache_dir)
     tokenizer_key = cache_key(config.corpus, config.dataset_config, config.max_documents, config.vocab_size)
-    tokenizer = load_or_train_tokenizer(
-        config.tokenizer, get_documents, config.vocab_size, cache_root / f"tokenizer-{tokenizer_key}"
-    )
+    tokenizer = load_or_train_tokenizer(config.tokenizer, get_documents, config.vocab_size, tokenizer_folder(config))
     examples_key = cache_key(
         DATA_FORMAT_VERSION,
         tokenizer_key,
@@ -213,4 +257,4 @@ def build_task(run_config: RunConfig, with_data: bool = True) -> AlbertTask:
     tokenizer, dataset = build_dataset(config)
     if len(tokenizer) > config.vocab_size:  # every peer must build the same model, so the size comes from config
         raise DataError(f"tokenizer has {len(tokenizer)} tokens but task.vocab_size is {config.vocab_size}")
-    return AlbertTask(config, run_config.training.local_batch_size, dataset, config.vocab_size)
+    return AlbertTask(config, run_config.training.local_batch_size, dataset, config.vocab_size, tokenizer)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, Optional
+from pathlib import Path
+from typing import Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import nn
 
 Batch = Dict[str, torch.Tensor]
+EXPORT_DIR = "hf_model"  # where a run's output folder holds the model in its ecosystem format (Task.export_pretrained)
 SAMPLE_IDS = "sample_ids"  # every batch carries the global indices of its samples (for equivalence checks)
 
 
@@ -20,6 +22,20 @@ class StepOutput:
     loss: torch.Tensor
     batch_size: int
     metrics: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ExportFacts:
+    """What a model card states about the run that produced the weights (filled in by the trainer or monitor)."""
+
+    run_id: str
+    global_step: int  # global steps the weights have been through
+    samples: int  # training samples behind those steps, swarm-wide
+    exported_by: str  # e.g. "trainer peer-0 at the end of its run", "monitor on checkpoint 20"
+    backend: str  # collaborative | single | ddp
+    final_loss: Optional[float] = None  # training loss of the last recorded global step
+    metrics: Dict[str, float] = field(default_factory=dict)  # that step's task metrics (e.g. MLM accuracy)
+    contributors: List[Dict[str, object]] = field(default_factory=list)  # {"peer", "samples", "steps"} rows
 
 
 class Task(abc.ABC):
@@ -56,3 +72,8 @@ class Task(abc.ABC):
 
     def on_global_step(self, model: nn.Module, global_step: int) -> None:
         """Hook after each completed global step (e.g. SwAV normalises prototypes)."""
+
+    def export_pretrained(self, model: nn.Module, folder: Path, facts: ExportFacts) -> Optional[Path]:
+        """Write ``model`` to ``folder`` in its ecosystem's format (weights, config, preprocessing files and a
+        model card built from ``facts``); return the folder, or None when the task has no such format."""
+        return None

@@ -176,8 +176,8 @@ class StreamingSopDataset:
             yield columns
 
 
-def build_streaming_dataset(task_config) -> tuple:
-    """(tokenizer, dataset) for ``task.corpus: bengali_stream`` (``task_config`` is albert's TaskConfig)."""
+def bengali_tokenizer_folder(task_config) -> Path:
+    """Where the tokenizer trained on the stream's sources is cached (its name hashes what it was trained on)."""
     stream_config: StreamConfig = task_config.stream
     tokenizer_key = cache_key(
         BENGALI_STREAM,
@@ -186,11 +186,17 @@ def build_streaming_dataset(task_config) -> tuple:
         stream_config.tokenizer_training_documents,
         task_config.vocab_size,
     )
+    return Path(task_config.cache_dir) / f"bengali-tokenizer-{tokenizer_key}"
+
+
+def build_streaming_dataset(task_config) -> tuple:
+    """(tokenizer, dataset) for ``task.corpus: bengali_stream`` (``task_config`` is albert's TaskConfig)."""
+    stream_config: StreamConfig = task_config.stream
     tokenizer = load_or_train_bengali_tokenizer(
         task_config.tokenizer,
         lambda: tokenizer_training_texts(stream_config),
         task_config.vocab_size,
-        Path(task_config.cache_dir) / f"bengali-tokenizer-{tokenizer_key}",
+        bengali_tokenizer_folder(task_config),
     )
     dataset = StreamingSopDataset(
         stream_config,

@@ -28,6 +28,8 @@ from transformers import (
     AlbertConfig,
     AlbertForSequenceClassification,
     AlbertForTokenClassification,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     PreTrainedTokenizerFast,
     get_linear_schedule_with_warmup,
 )
@@ -206,9 +208,20 @@ class FinetuneSettings:
 
 
 def build_classifier(
-    kind: str, model_config: AlbertConfig, num_labels: int, pretrained_state: Optional[dict]
+    kind: str,
+    model_config: AlbertConfig,
+    num_labels: int,
+    pretrained_state: Optional[dict],
+    pretrained_model: Optional[str] = None,
 ) -> torch.nn.Module:
-    """A fresh head on the pretrained encoder (``albert.*`` weights of an AlbertForPreTraining checkpoint)."""
+    """A fresh head on the pretrained encoder: ``albert.*`` weights of an AlbertForPreTraining checkpoint, or any
+    Hugging Face model (an exported folder or a hub name such as xlm-roberta-large) given as ``pretrained_model``."""
+    if pretrained_model is not None:
+        auto = AutoModelForTokenClassification if kind == "token" else AutoModelForSequenceClassification
+        try:
+            return auto.from_pretrained(pretrained_model, num_labels=num_labels)
+        except Exception as error:  # a missing folder, an unreachable hub, a model with no such head
+            raise DataError(f"cannot load model {pretrained_model!r}: {' '.join(str(error).split())[:200]}") from None
     settings = {key: value for key, value in model_config.to_dict().items() if key not in ("id2label", "label2id")}
     config = AlbertConfig(**{**settings, "num_labels": num_labels, "classifier_dropout_prob": 0.1})
     model = (AlbertForTokenClassification if kind == "token" else AlbertForSequenceClassification)(config)
@@ -250,6 +263,7 @@ def finetune_one_seed(
     pretrained_state: Optional[dict],
     settings: FinetuneSettings,
     seed: int,
+    pretrained_model: Optional[str] = None,
 ) -> dict:
     """Train with ``seed``; after each epoch measure validation, keep the test score of the best epoch."""
     torch.manual_seed(stable_seed("finetune", seed))
@@ -258,7 +272,7 @@ def finetune_one_seed(
     train = encode(tokenizer, train_examples, settings.max_length)
     validation = encode(tokenizer, splits.validation[: settings.max_eval_examples], settings.max_length)
     test = encode(tokenizer, splits.test[: settings.max_eval_examples], settings.max_length)
-    model = build_classifier(kind, model_config, len(splits.labels), pretrained_state)
+    model = build_classifier(kind, model_config, len(splits.labels), pretrained_state, pretrained_model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
     steps_per_epoch = math.ceil(len(train["labels"]) / settings.batch_size)
     total = steps_per_epoch * settings.epochs

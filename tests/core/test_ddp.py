@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import AlbertForPreTraining
 
 from common.config import load_config
 from tests.helpers import TINY_ALBERT, max_difference, read_step_logs, replay_single_process, run_ddp_training
@@ -34,6 +35,9 @@ def test_ddp_two_workers_equal_single_process_on_the_same_samples(tmp_path, tiny
     for rank in (0, 1):
         worst = max_difference(torch.load(tmp_path / f"worker{rank}" / "final_model.pt"), reference)
         assert worst < 1e-5, f"DDP worker {rank} differs from the single-process run by {worst}"
+    # each worker also leaves its final weights as a Hugging Face folder
+    exported = AlbertForPreTraining.from_pretrained(tmp_path / "worker0" / "hf_model").state_dict()
+    assert max_difference(exported, torch.load(tmp_path / "worker0" / "final_model.pt")) == 0
 
 
 def test_ddp_rejects_a_global_batch_that_workers_cannot_split(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AlbertForPreTraining
 
 from common.checkpoints import list_checkpoints
 from common.peer import ADDRESS_FILE
@@ -134,6 +135,9 @@ def test_monitor_restart_nan_peer_corrupt_checkpoint_and_resume(tmp_path, tiny_o
     checkpoints = list_checkpoints(monitor_dir / "checkpoints")
     assert len(checkpoints) >= 2, checkpoints
     newest, previous = checkpoints[-1], checkpoints[-2]
+    exported = AlbertForPreTraining.from_pretrained(monitor_dir / "hf_model")  # rewritten at every checkpoint
+    newest_model = torch.load(newest, weights_only=False)["model"]
+    assert all(torch.equal(exported.state_dict()[name], value) for name, value in newest_model.items())
     newest.write_bytes(newest.read_bytes()[: len(newest.read_bytes()) // 2])  # a torn write
     previous_step = torch.load(previous, weights_only=False)["step"]
 
