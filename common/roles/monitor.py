@@ -14,10 +14,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.auth import AuthorizerBase
 
 from common.checkpoints import load_latest_checkpoint, save_checkpoint
-from common.config import RunConfig, import_task_module, to_container
-from common.dashboard import start_dashboard
-from common.dht import join_command
-from common.identity import peer_id_of_record_owner
+from common.config import RunConfig, import_task_module
 from common.lifecycle import StopFlag
 from common.metrics import HistoryWriter, PeerMetrics, StepAggregate, StepAggregator, metrics_key
 from common.peer import start_peer_dht
@@ -42,20 +39,12 @@ class MetricsLogger:
             dir=str(output_dir),
             resume="allow",
             id=config.collaboration.run_id,
-            config=to_container(config),  # the resolved run config, as volunteers and readers see it
         )
 
     def log(self, aggregate: StepAggregate) -> None:
         if self.run is not None:
-            rate = {} if aggregate.samples_per_second is None else {"samples_per_second": aggregate.samples_per_second}
             self.run.log(
-                {
-                    "loss": aggregate.loss,
-                    "peers": aggregate.peers,
-                    "samples": aggregate.samples,
-                    **rate,
-                    **aggregate.metrics,
-                },
+                {"loss": aggregate.loss, "peers": aggregate.peers, "samples": aggregate.samples, **aggregate.metrics},
                 step=aggregate.step,
             )
 
@@ -65,9 +54,8 @@ class MetricsLogger:
 
 
 class Leaderboard:
-    """Per contributor (peer id; ``peer`` shows its name): samples, global steps participated in, and time online
-    (first to last step seen), like sahajBERT's model card. Rebuilt from the history on restart, so it survives
-    the monitor. Two volunteers with the same name are two rows."""
+    """Per contributor: samples, global steps participated in, and time online (first to last step seen),
+    like sahajBERT's model card. Rebuilt from the history on restart, so it survives the monitor."""
 
     def __init__(self, path: Path, history: list):
         self.path, self.rows = path, {}
@@ -75,13 +63,10 @@ class Leaderboard:
             self.add(entry)
 
     def add(self, entry: dict) -> None:
-        for peer_id, samples in entry["contributions"].items():
-            name = entry.get("names", {}).get(peer_id, peer_id)
+        for peer, samples in entry["contributions"].items():
             row = self.rows.setdefault(
-                peer_id,
-                {"peer": name, "peer_id": peer_id, "samples": 0, "steps": 0, "first_seen": entry["time"]},
+                peer, {"peer": peer, "samples": 0, "steps": 0, "first_seen": entry["time"], "last_seen": entry["time"]}
             )
-            row["peer"] = name  # a restarted volunteer may have renamed itself: show its latest name
             row["samples"] += samples
             row["steps"] += 1
             row["last_seen"] = entry["time"]
@@ -106,13 +91,9 @@ class Monitor:
         resumed = self.history.read()
         if resumed:
             self.aggregator.finished_up_to = resumed[-1]["step"]
-            self.aggregator.last_step_time = resumed[-1]["time"]
             logger.info(f"resuming history: {len(resumed)} steps already recorded (last step {resumed[-1]['step']})")
         self.leaderboard = Leaderboard(self.output_dir / "leaderboard.json", resumed)
-        self.dashboard = start_dashboard(config, self.output_dir, resumed, self.checkpoint_dir)
         self.dht = start_peer_dht(config, self.output_dir, "scripts/train.py", config_path, authorizer)
-        if self.dashboard is not None:
-            self.dashboard.state.join_command = join_command(self.dht, "scripts/train.py", config_path)
         task_module = import_task_module(config.task_module)
         torch.manual_seed(config.training.seed)
         self.task = task_module.build_task(config, with_data=False)
@@ -147,18 +128,15 @@ class Monitor:
     def poll(self) -> None:
         entry = self.dht.get(metrics_key(self.config.collaboration.run_id), latest=True)
         if entry is not None and isinstance(entry.value, dict):
-            for subkey, subkey_entry in entry.value.items():
-                peer_id = peer_id_of_record_owner(subkey)  # the signing key, not a field its author could forge
+            for subkey_entry in entry.value.values():
                 try:
                     peer = PeerMetrics.parse_obj(subkey_entry.value)
                 except Exception:  # the schema validator already refuses these; never trust a record blindly
                     continue
-                if peer.role != "trainer" or peer_id is None:
+                if peer.role != "trainer":
                     continue
-                if self.dashboard is not None and peer.recent:
-                    self.dashboard.saw_peer(peer_id, peer.peer_name, max(record.time for record in peer.recent))
                 for record in peer.recent:
-                    self.aggregator.add(peer_id, peer.peer_name, record)
+                    self.aggregator.add(peer.peer_name, record)
 
     def publish_ready(self, flush: bool = False) -> None:
         ready = self.aggregator.pop_ready(flush=flush)
@@ -170,17 +148,12 @@ class Monitor:
             accuracy = "".join(
                 f" | {name} {value:.3f}" for name, value in aggregate.metrics.items() if name.endswith("accuracy")
             )
-            rate = "" if aggregate.samples_per_second is None else f" | {aggregate.samples_per_second:.1f} samples/s"
             logger.info(
                 f"global step {aggregate.step}: loss {aggregate.loss:.4f} | {aggregate.peers} peers | "
-                f"{aggregate.samples} samples{rate}{accuracy}"
+                f"{aggregate.samples} samples{accuracy}"
             )
         if ready:
             self.leaderboard.write()
-        if self.dashboard is not None:
-            for aggregate in ready:
-                self.dashboard.state.add_step(aggregate.to_json())
-            self.dashboard.publish(self.leaderboard.rows.values())
 
     def maybe_checkpoint(self) -> None:
         every = self.config.monitor.checkpoint_every_steps
@@ -206,8 +179,6 @@ class Monitor:
         self.state_averager.state_sharing_priority = step
         self.last_checkpoint_step = step
         logger.info(f"saved checkpoint {path} at global step {step}")
-        if self.dashboard is not None:
-            self.dashboard.checkpoint_saved(step, path)
         self.export(step)
 
     def export(self, step: int) -> None:
@@ -241,8 +212,6 @@ class Monitor:
             self.shutdown()
 
     def shutdown(self) -> None:
-        if self.dashboard is not None:
-            self.dashboard.stop()
         self.metrics.finish()
         if self.state_averager is not None:
             self.state_averager.shutdown()
