@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from timm.optim import Lamb
@@ -19,6 +19,7 @@ from albert.tokenizer import load_or_train_tokenizer
 from common.config import RunConfig, require
 from common.errors import DataError
 from common.hivemind_compat import prefill_optimizer_state
+from common.seeding import stable_seed
 from common.task import Batch, ExportFacts, StepOutput, Task
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ class TaskConfig:
     dataset_config: Optional[str] = None  # e.g. wikitext-103-raw-v1
     tokenizer: str = "train"  # train (Unigram on the corpus) | hub name (albert-large-v2) | local folder
     max_documents: Optional[int] = None
+    # share of the documents (picked by a stable hash of their index) never trained on: the held-out evaluation
+    # set (Task.heldout_batches); the tokenizer is then trained on the other documents only
+    heldout_fraction: float = 0.0
     max_seq_length: int = 128
     short_seq_probability: float = 0.1
     mlm_probability: float = 0.15
@@ -77,6 +81,7 @@ class TaskConfig:
             "task.total_steps must exceed task.warmup_steps >= 0",
         )
         require(self.max_documents is None or self.max_documents > 0, "task.max_documents must be > 0")
+        require(0 <= self.heldout_fraction < 0.5, "task.heldout_fraction must be in [0, 0.5)")
         require(0 <= self.classifier_dropout_prob < 1, "task.classifier_dropout_prob must be in [0, 1)")
 
 
@@ -156,6 +161,18 @@ class AlbertTask(Task):
             raise DataError("this ALBERT task was built without data (monitor/auxiliary role)")
         return self.dataset.stream(stream_seed, self.local_batch_size)
 
+    def heldout_batches(self, count: int) -> Optional[List[Batch]]:
+        if self.config.heldout_fraction == 0 or self.tokenizer is None:
+            return None
+        dataset = build_heldout_dataset(self.config, self.tokenizer)
+        size = self.local_batch_size
+        if len(dataset) < count * size:
+            raise DataError(
+                f"the held-out documents give {len(dataset)} examples, fewer than {count} batches of {size}: "
+                f"raise task.heldout_fraction or ask for fewer batches"
+            )
+        return [dataset.batch(range(start, start + size), 0) for start in range(0, count * size, size)]
+
     def forward(self, model: torch.nn.Module, batch: Batch) -> StepOutput:
         outputs = model(
             input_ids=batch["input_ids"],
@@ -184,12 +201,54 @@ class AlbertTask(Task):
         )
 
 
+def _tokenizer_key(config: TaskConfig) -> str:
+    held_out = [config.heldout_fraction] if config.heldout_fraction else []  # keeps older caches' names valid
+    return cache_key(config.corpus, config.dataset_config, config.max_documents, config.vocab_size, *held_out)
+
+
 def tokenizer_folder(config: TaskConfig) -> Path:
     """Where a tokenizer trained on the corpus is cached (its name hashes what it was trained on)."""
     if config.corpus == BENGALI_STREAM:
         return bengali_tokenizer_folder(config)
-    key = cache_key(config.corpus, config.dataset_config, config.max_documents, config.vocab_size)
-    return Path(config.cache_dir) / f"tokenizer-{key}"
+    return Path(config.cache_dir) / f"tokenizer-{_tokenizer_key(config)}"
+
+
+def split_heldout(documents: List[str], fraction: float) -> Tuple[List[str], List[str]]:
+    """(training, held-out) documents: a document is held out by a stable hash of its index, so the split does
+    not depend on the corpus order's topics and every peer makes the same one."""
+    held = [stable_seed("heldout", index) % 10_000 < fraction * 10_000 for index in range(len(documents))]
+    return [doc for doc, out in zip(documents, held) if not out], [doc for doc, out in zip(documents, held) if out]
+
+
+def _examples_key(config: TaskConfig, part: str) -> str:
+    return cache_key(
+        DATA_FORMAT_VERSION,
+        _tokenizer_key(config),
+        config.tokenizer,
+        config.max_seq_length,
+        config.short_seq_probability,
+        config.data_seed,
+        *([part] if part != "train" else []),
+    )
+
+
+def build_heldout_dataset(config: TaskConfig, tokenizer) -> SopDataset:
+    """SOP examples of the held-out documents (cached), masked like training data with their own seed."""
+    examples = load_or_build_examples(
+        Path(config.cache_dir) / f"examples-{_examples_key(config, 'heldout')}.pt",
+        lambda: build_examples(
+            split_heldout(
+                load_documents(config.corpus, config.dataset_config, config.max_documents), config.heldout_fraction
+            )[1],
+            tokenizer,
+            config.max_seq_length,
+            config.short_seq_probability,
+            config.data_seed,
+        ),
+    )
+    return SopDataset(
+        examples, special_ids(tokenizer), config.mlm_probability, stable_seed(config.data_seed, "heldout")
+    )
 
 
 def cached_tokenizer(config: TaskConfig) -> Optional[PreTrainedTokenizerFast]:
@@ -227,21 +286,13 @@ def build_dataset(config: TaskConfig):
         nonlocal documents
         if documents is None:
             documents = load_documents(config.corpus, config.dataset_config, config.max_documents)
+            if config.heldout_fraction:
+                documents = split_heldout(documents, config.heldout_fraction)[0]
         return documents
 
-    cache_root = Path(config.cache_dir)
-    tokenizer_key = cache_key(config.corpus, config.dataset_config, config.max_documents, config.vocab_size)
     tokenizer = load_or_train_tokenizer(config.tokenizer, get_documents, config.vocab_size, tokenizer_folder(config))
-    examples_key = cache_key(
-        DATA_FORMAT_VERSION,
-        tokenizer_key,
-        config.tokenizer,
-        config.max_seq_length,
-        config.short_seq_probability,
-        config.data_seed,
-    )
     examples = load_or_build_examples(
-        cache_root / f"examples-{examples_key}.pt",
+        Path(config.cache_dir) / f"examples-{_examples_key(config, 'train')}.pt",
         lambda: build_examples(
             get_documents(), tokenizer, config.max_seq_length, config.short_seq_probability, config.data_seed
         ),

@@ -63,6 +63,11 @@ class Task(abc.ABC):
     def batches(self, stream_seed: int) -> Iterator[Batch]:
         """An endless stream of micro-batches, ordered by ``stream_seed`` (each peer gets its own)."""
 
+    def heldout_batches(self, count: int) -> Optional[List[Batch]]:
+        """``count`` fixed micro-batches from data the task never trains on (a held-out split), for evaluation;
+        None (the default) when the task keeps no such split."""
+        return None
+
     @abc.abstractmethod
     def forward(self, model: nn.Module, batch: Batch) -> StepOutput:
         """Forward pass on one micro-batch (already on the model's device)."""

@@ -197,10 +197,14 @@ def curve_rows(run: SetupRun) -> List[Dict]:
 
 
 def evaluation_batches(config: RunConfig, count: int) -> tuple:
-    """The task (for its forward) and ``count`` fixed batches drawn from a stream no setup trains on."""
+    """The task (for its forward), ``count`` fixed evaluation batches and what they are: the task's held-out split
+    (documents no setup trained on) when it keeps one, else a stream of the training corpus no setup draws."""
     task = import_task_module(config.task_module).build_task(config)
+    heldout = task.heldout_batches(count)
+    if heldout is not None:
+        return task, heldout, "held-out documents (never trained on)"
     stream = task.batches(stable_seed(config.training.seed, "comparison-evaluation"))
-    return task, [next(stream) for _ in range(count)]
+    return task, [next(stream) for _ in range(count)], "the training corpus, in an order no setup trains with"
 
 
 def evaluate(task, batches: List[dict], state_path: Path) -> Dict[str, float]:

@@ -50,6 +50,8 @@ COMMON_OVERRIDES = [
     "monitor.refresh_seconds=0.5",
     "training.log_every_seconds=10",
     "training.num_threads=1",
+    # 5 % of the documents are never trained on: every final model is scored on them (task.heldout_fraction)
+    "task.heldout_fraction=0.05",
 ]
 REDUCED_OVERRIDES = [
     "training.max_global_steps=4",
@@ -150,7 +152,7 @@ def main() -> None:
 
     eval_batches = args.eval_batches or (8 if args.reduced else 32)
     logger.info(f"scoring every final model on the same {eval_batches} evaluation batches of {local_batch}")
-    task, batches = evaluation_batches(config, eval_batches)
+    task, batches, evaluation_data = evaluation_batches(config, eval_batches)
     curves, summaries = [], []
     for run in finished_runs:
         rows = curve_rows(run)
@@ -180,8 +182,8 @@ def main() -> None:
         f"= {steps * target} samples per setup; {args.workers} DDP workers (gloo) / collaborative trainers "
         f"(+ 1 monitor, no auxiliary peer); seed {config.training.seed} everywhere.\n"
         f"- eval loss: each setup's final model (single: the process; ddp: worker 0; collaborative: trainer0) on the "
-        f"same {eval_batches} micro-batches of {local_batch} drawn from the training corpus with a seed no setup "
-        f"trains with. vs ddp: (eval loss - ddp eval loss) / ddp eval loss.\n"
+        f"same {eval_batches} micro-batches of {local_batch} from {evaluation_data}. "
+        f"vs ddp: (eval loss - ddp eval loss) / ddp eval loss.\n"
         f"- samples/s steady: samples after the first global step / time between the first and last step; "
         f"end-to-end: all samples / wall time from launch to exit (includes data loading and peer start-up).\n\n"
         f"{table}\n"
