@@ -9,7 +9,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from nltk.tokenize.punkt import PunktSentenceTokenizer, PunktTrainer
@@ -186,13 +186,21 @@ class SopDataset:
             "pass_index": torch.tensor(pass_index),
         }
 
-    def stream(self, stream_seed: int, batch_size: int, sample_ids: Sequence[int] | None = None) -> Iterator[Batch]:
-        """Endless micro-batches over ``sample_ids`` (default: all), reshuffled each pass by ``stream_seed``."""
+    def plan(
+        self, stream_seed: int, batch_size: int, sample_ids: Sequence[int] | None = None
+    ) -> Iterator[Tuple[List[int], int]]:
+        """Endless (sample ids, pass) of micro-batches over ``sample_ids`` (default: all), reshuffled each pass by
+        ``stream_seed``."""
         pool = torch.as_tensor(list(sample_ids) if sample_ids is not None else range(len(self)), dtype=torch.long)
         pass_index = 0
         while True:
             generator = torch.Generator().manual_seed(stable_seed(stream_seed, "order", pass_index))
             order = pool[torch.randperm(len(pool), generator=generator)]
             for start in range(0, len(order) - batch_size + 1, batch_size):  # equal micro-batches only
-                yield self.batch(order[start : start + batch_size].tolist(), pass_index)
+                yield order[start : start + batch_size].tolist(), pass_index
             pass_index += 1
+
+    def stream(self, stream_seed: int, batch_size: int, sample_ids: Sequence[int] | None = None) -> Iterator[Batch]:
+        """Endless micro-batches, in ``plan``'s order."""
+        for ids, pass_index in self.plan(stream_seed, batch_size, sample_ids):
+            yield self.batch(ids, pass_index)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from albert.tokenizer import load_or_train_tokenizer
 from common.config import RunConfig, require
 from common.errors import DataError
 from common.hivemind_compat import prefill_optimizer_state
+from common.pipeline import PlannedBatches
 from common.seeding import stable_seed
 from common.task import Batch, ExportFacts, StepOutput, Task
 
@@ -160,6 +162,12 @@ class AlbertTask(Task):
         if self.dataset is None:
             raise DataError("this ALBERT task was built without data (monitor/auxiliary role)")
         return self.dataset.stream(stream_seed, self.local_batch_size)
+
+    def batch_plan(self, stream_seed: int):
+        if self.dataset is None or not hasattr(self.dataset, "plan"):
+            return None  # no data, or streamed text: common.pipeline runs the stream whole in one worker
+        plan = functools.partial(self.dataset.plan, stream_seed, self.local_batch_size)
+        return PlannedBatches(plan, self.dataset.batch)
 
     def heldout_batches(self, count: int) -> Optional[List[Batch]]:
         if self.config.heldout_fraction == 0 or self.tokenizer is None:

@@ -28,6 +28,7 @@ from common.config import CollaborationConfig
 from common.errors import PeerError, UserError
 from common.hivemind_compat import count_state_reloads, restart_throughput_timer
 from common.metrics import RECENT_STEPS_KEPT, HistoryWriter, PeerMetrics, StepRecord, aggregate_step, metrics_key
+from common.precision import needs_loss_scaling
 from common.task import Task
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ PUBLISH_TIMEOUT = 10.0  # seconds a leaving trainer waits for its last metrics r
 
 class TrainingBackend(abc.ABC):
     state_reloads: int = 0  # times this process replaced its state with the swarm's (discarding local work)
+    overflow_discards: int = 0  # times an fp16 overflow discarded the gradients accumulated for the step in progress
+    # the fp16 loss scaler (common/precision.py); while it is set, it and not the loop judges gradients' finiteness
+    grad_scaler: Optional[torch.amp.GradScaler] = None
 
     @property
     @abc.abstractmethod
@@ -63,6 +67,25 @@ class TrainingBackend(abc.ABC):
         """Context around one micro-batch's forward and backward (DDP skips all-reduces in it)."""
         return contextlib.nullcontext()
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate one micro-batch's loss (multiplied by the loss scale under fp16)."""
+        if self.grad_scaler is not None:
+            self.grad_scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return self.grad_scaler.get_scale() if self.grad_scaler is not None else None
+
+    def checkpoint_state(self) -> Optional[dict]:
+        """What a baseline (single, DDP) checkpoint holds at a global-step boundary; None: this process saves
+        none (collaborative peers: the monitor checkpoints the swarm; DDP workers other than rank 0)."""
+        return None
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not resume from checkpoints")
+
     def publish(self, records: List[StepRecord]) -> None:
         """Share this peer's recent step records (collaborative backends only)."""
 
@@ -79,11 +102,25 @@ class TrainingBackend(abc.ABC):
     def shutdown(self) -> None: ...
 
 
+def load_baseline_state(model, optimizer, scheduler, grad_scaler, state: dict) -> None:
+    """Restore a single/DDP checkpoint (``checkpoint_state``) into freshly built training objects."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if grad_scaler is not None and state.get("grad_scaler") is not None:
+        grad_scaler.load_state_dict(state["grad_scaler"])
+
+
 class SingleProcessBackend(TrainingBackend):
     """Plain PyTorch: accumulate sample-weighted gradients until ``target_batch_size``, then step."""
 
-    def __init__(self, task: Task, target_batch_size: int, history_dir: Optional[Path] = None):
+    def __init__(
+        self, task: Task, target_batch_size: int, history_dir: Optional[Path] = None, precision: str = "fp32"
+    ):
         self.task, self.target_batch_size = task, target_batch_size
+        device = next(task.model.parameters()).device
+        self.grad_scaler = torch.amp.GradScaler(device.type) if needs_loss_scaling(precision) else None
         self.history = HistoryWriter(history_dir) if history_dir is not None else None
         self.params = [param for param in task.model.parameters() if param.requires_grad]
         self.optimizer = task.make_optimizer(task.optimizer_param_groups())
@@ -108,13 +145,37 @@ class SingleProcessBackend(TrainingBackend):
             for param, accumulator in zip(self.params, self.accumulators):
                 param.grad = accumulator / self.samples_accumulated
                 accumulator.zero_()
-        self.optimizer.step()
+        if self.grad_scaler is None:
+            self.optimizer.step()
+        else:  # torch's rule: unscale, and skip the step if any gradient of the global batch is not finite
+            scale_before = self.grad_scaler.get_scale()
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+            if self.grad_scaler.get_scale() < scale_before:
+                self.overflow_discards += 1
+                logger.warning(
+                    f"fp16 overflow: global step {self._global_step} skipped, loss scale "
+                    f"{scale_before:g} -> {self.grad_scaler.get_scale():g}"
+                )
         if self.scheduler is not None:
             self.scheduler.step()
         self.samples_accumulated = 0
         finished = self._global_step
         self._global_step += 1
         return finished
+
+    def checkpoint_state(self) -> Optional[dict]:
+        return {
+            "step": self._global_step,
+            "model": self.task.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+        }
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        load_baseline_state(self.task.model, self.optimizer, self.scheduler, self.grad_scaler, state)
+        self._global_step = int(state["step"])
 
     def zero_grad(self) -> None:
         for param in self.params:
@@ -137,8 +198,12 @@ class CollaborativeBackend(TrainingBackend):
         role: str,
         metrics_expiration: float,
         model_fingerprint: str,
+        grad_scaler: Optional[hivemind.GradScaler] = None,
     ):
+        """``grad_scaler``: fp16 only; the optimizer must then reuse the model's gradient buffers
+        (``hivemind_compat.grad_buffers_for_scaler``)."""
         self.dht, self.optimizer, self.collab = dht, optimizer, collab
+        self.grad_scaler = grad_scaler
         self.model_fingerprint = model_fingerprint
         self.peer_name, self.role, self.metrics_expiration = peer_name, role, metrics_expiration
         self.public_key = RSASignatureValidator().local_public_key  # the process-wide key signs our records
@@ -155,7 +220,26 @@ class CollaborativeBackend(TrainingBackend):
 
     def step(self, batch_size: int) -> Optional[int]:
         epoch_before, reloads_before = self.optimizer.local_epoch, self.state_reloads
-        self.optimizer.step(batch_size=batch_size)
+        if self.grad_scaler is None:
+            self.optimizer.step(batch_size=batch_size)
+        else:
+            # hivemind's protocol: step with the scaler, then update it (it lowers the scale after an overflow and
+            # raises it only right after a global step)
+            scale_before = self.grad_scaler.get_scale()
+            self.optimizer.step(batch_size=batch_size, grad_scaler=self.grad_scaler)
+            self.grad_scaler.update()
+            accumulating = self.optimizer.grad_averager is not None  # not local updates, which step per micro-batch
+            if (
+                self.grad_scaler.get_scale() < scale_before
+                and accumulating
+                and self.optimizer.local_epoch == epoch_before
+            ):
+                self.overflow_discards += 1
+                logger.warning(
+                    f"fp16 overflow at global step {epoch_before}: this peer's gradients for the step were "
+                    f"discarded, loss scale {scale_before:g} -> {self.grad_scaler.get_scale():g}"
+                )
+                return None  # hivemind dropped what this peer accumulated: the loop starts a fresh step record
         if self.state_reloads != reloads_before:
             return None  # our accumulated micro-batches were discarded: the loop starts a fresh step record
         if self.optimizer.local_epoch == epoch_before:
@@ -170,6 +254,8 @@ class CollaborativeBackend(TrainingBackend):
         return epoch_before
 
     def zero_grad(self) -> None:
+        if self.optimizer.grad_averager is not None and self.optimizer.grad_averager.reuse_grad_buffers:
+            return  # the model's .grad buffers are hivemind's accumulators: it clears them after each step itself
         self.optimizer.zero_grad()
 
     def publish(self, records: List[StepRecord]) -> None:

@@ -1,4 +1,5 @@
-"""Atomic, verified checkpoints of the collaboration state (model, optimizer, scheduler, global step).
+"""Atomic, verified checkpoints of a run's state (model, optimizer, scheduler, loss scaler, global step): the
+monitor's of a swarm, a baseline run's (single, DDP) of itself. Both are written and verified by this module.
 
 A checkpoint is ``step_<N>.pt`` plus ``step_<N>.pt.sha256``, each written to a temporary file and renamed,
 the digest last: a checkpoint without a matching digest is partial or corrupt and is skipped in favour of
@@ -19,6 +20,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_PATTERN = re.compile(r"step_(\d+)\.pt$")
+CHECKPOINT_DIR = "checkpoints"  # a baseline run's (single, DDP) checkpoints, inside training.output_dir
 
 
 def _sha256(path: Path) -> str:
@@ -78,3 +80,13 @@ def load_latest_checkpoint(directory: Path) -> Optional[dict]:
         logger.info(f"loaded checkpoint {path.name} (global step {state['step']})")
         return state
     return None
+
+
+def resume_from_checkpoint(backend, directory: Path) -> int:
+    """Load the newest good checkpoint in ``directory`` into ``backend``; return its global step (0: none)."""
+    state = load_latest_checkpoint(directory)
+    if state is None:
+        return 0
+    backend.load_checkpoint_state(state)
+    logger.info(f"resumed from {directory} at global step {state['step']}")
+    return int(state["step"])

@@ -110,10 +110,16 @@ class TrainingConfig:
     seed: int = 0
     num_threads: int = 1  # torch intra-op threads per peer (peers share the machine's cores)
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "fp32"  # fp32 | fp16 | bf16 (autocast, only where a GPU is present)
+    # auto | fp32 | fp16 | bf16 (common/precision.py). auto = bf16 on GPUs that have it (float32's exponent range:
+    # no loss scaling, no skipped steps), fp16 with dynamic loss scaling on older GPUs, fp32 on a CPU. fp16 on a
+    # CPU is a config error (debug.fp16_on_cpu runs it anyway, for tests of the scaler)
+    precision: str = "auto"
     log_every_seconds: float = 10.0
     output_dir: str = "outputs/run"
     skip_nonfinite: bool = True  # drop a micro-batch whose loss or gradients are not finite
+    dataloader_workers: int = 0  # processes preparing batches (pinned memory on CUDA); 0 = on the training thread
+    checkpoint_every_steps: int = 0  # single/ddp baselines: save every N global steps and resume on start; 0 = off
+    keep_checkpoints: int = 3
 
     def __post_init__(self) -> None:
         require(self.local_batch_size > 0, "training.local_batch_size must be > 0")
@@ -124,9 +130,12 @@ class TrainingConfig:
             self.device in ("auto", "cpu", "cuda"), f"training.device must be auto, cpu or cuda (got {self.device!r})"
         )
         require(
-            self.precision in ("fp32", "fp16", "bf16"),
-            f"training.precision must be fp32, fp16 or bf16 (got {self.precision!r})",
+            self.precision in ("auto", "fp32", "fp16", "bf16"),
+            f"training.precision must be auto, fp32, fp16 or bf16 (got {self.precision!r})",
         )
+        require(self.dataloader_workers >= 0, "training.dataloader_workers must be >= 0")
+        require(self.checkpoint_every_steps >= 0, "training.checkpoint_every_steps must be >= 0")
+        require(self.keep_checkpoints >= 1, "training.keep_checkpoints must be >= 1")
         require(self.log_every_seconds > 0, "training.log_every_seconds must be > 0")
 
 
@@ -136,9 +145,13 @@ class DebugConfig:
 
     record_sample_ids: bool = False  # log which samples went into each global step (equivalence checks)
     inject_nonfinite_every: int = 0  # fault injection: every N-th micro-batch's loss becomes NaN
+    # fault injection: the first micro-batch of this global step gets an infinite gradient (an fp16 overflow)
+    inject_overflow_at_step: int = -1
+    fp16_on_cpu: bool = False  # allow training.precision=fp16 without a GPU (CPU autocast + loss scaler: tests)
 
     def __post_init__(self) -> None:
         require(self.inject_nonfinite_every >= 0, "debug.inject_nonfinite_every must be >= 0")
+        require(self.inject_overflow_at_step >= -1, "debug.inject_overflow_at_step must be >= -1 (-1 = off)")
 
 
 @dataclass

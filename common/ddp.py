@@ -4,6 +4,11 @@ Launch one process per worker with ``torchrun --nproc_per_node=N scripts/train.p
 (or ``accelerate launch``). Each worker accumulates ``k`` equal micro-batches; DDP all-reduces (averages) the
 accumulated gradients on the k-th, so one optimizer step sees the mean gradient of
 ``target_batch_size = local_batch_size x k x workers`` samples -- the collaborative run's global batch.
+
+Mixed precision is accelerate's: ``accelerator.backward`` scales an fp16 loss and the prepared optimizer
+unscales, checks the (all-reduced, hence identical) gradients and skips the step on every worker alike. Rank 0
+saves a checkpoint every ``training.checkpoint_every_steps`` global steps; every worker resumes from the newest
+good one in ``<output_dir>/checkpoints`` (the workers must share that folder: one machine, or a shared disk).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 
-from common.backends import TrainingBackend
+from common.backends import TrainingBackend, load_baseline_state
 from common.config import RunConfig
 from common.errors import ConfigError
 from common.metrics import HistoryWriter, StepRecord, aggregate_step
@@ -27,12 +32,17 @@ logger = logging.getLogger(__name__)
 
 
 class DDPBackend(TrainingBackend):
-    def __init__(self, task: Task, config: RunConfig):
-        precision = config.training.precision if torch.cuda.is_available() else "no"
+    def __init__(self, task: Task, config: RunConfig, precision: str):
+        """``precision``: resolved (common.precision.resolve_precision): fp32, fp16 or bf16."""
         self.accelerator = Accelerator(
             cpu=not torch.cuda.is_available(),
-            mixed_precision={"fp32": "no", "fp16": "fp16", "bf16": "bf16"}.get(precision, "no"),
+            mixed_precision={"fp32": "no", "fp16": "fp16", "bf16": "bf16"}[precision],
         )
+        if precision == "fp16" and self.accelerator.scaler is None:
+            # accelerate creates no GradScaler on a CPU (it treats fp16 there as "no"); debug.fp16_on_cpu runs the
+            # same accelerate code path with torch's CPU scaler, set before the optimizer is prepared
+            self.accelerator.scaler = torch.amp.GradScaler("cpu")
+        self.grad_scaler = self.accelerator.scaler
         self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
         per_step = config.training.local_batch_size * self.world_size
         if config.collaboration.target_batch_size % per_step:
@@ -43,8 +53,8 @@ class DDPBackend(TrainingBackend):
         self.accumulation_steps = config.collaboration.target_batch_size // per_step
         self.task = task
         self.model = self.accelerator.prepare_model(task.model)
-        self.optimizer = task.make_optimizer(task.optimizer_param_groups())
-        self.scheduler = task.make_scheduler(self.optimizer)
+        self.optimizer = self.accelerator.prepare_optimizer(task.make_optimizer(task.optimizer_param_groups()))
+        self.scheduler = task.make_scheduler(self.optimizer.optimizer)
         self.micro_batches_done = 0
         self._global_step = 0
         self.history = HistoryWriter(Path(config.training.output_dir)) if self.rank == 0 else None
@@ -70,6 +80,9 @@ class DDPBackend(TrainingBackend):
             return self.accelerator.no_sync(self.model)
         return contextlib.nullcontext()
 
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
     def step(self, batch_size: int) -> Optional[int]:
         self.micro_batches_done += 1
         if self.micro_batches_done < self.accumulation_steps:
@@ -78,7 +91,10 @@ class DDPBackend(TrainingBackend):
             for param in self.task.model.parameters():
                 if param.grad is not None:
                     param.grad.div_(self.accumulation_steps)  # DDP averaged over workers; now over micro-batches
-        self.optimizer.step()
+        self.optimizer.step()  # accelerate's: unscale, skip on inf/NaN, update the scale (fp16)
+        if self.optimizer.step_was_skipped:
+            self.overflow_discards += 1
+            logger.warning(f"fp16 overflow: global step {self._global_step} skipped on every worker")
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -89,6 +105,22 @@ class DDPBackend(TrainingBackend):
 
     def zero_grad(self) -> None:
         """Gradients accumulate in .grad between all-reduces; they are cleared after each optimizer step."""
+
+    def checkpoint_state(self) -> Optional[dict]:
+        if self.rank != 0:
+            return None  # every worker holds the same state after a step
+        return {
+            "step": self._global_step,
+            "model": self.task.model.state_dict(),
+            "optimizer": self.optimizer.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "world_size": self.world_size,
+        }
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        load_baseline_state(self.task.model, self.optimizer.optimizer, self.scheduler, self.grad_scaler, state)
+        self._global_step = int(state["step"])
 
     def publish(self, records: List[StepRecord]) -> None:
         gathered: list = [None] * self.world_size

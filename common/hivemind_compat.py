@@ -9,6 +9,8 @@ why the project cannot take it as it is. Nothing else in the repository patches 
 4. :func:`restart_throughput_timer` -- the throughput estimate counts time spent before training started.
 5. :func:`client_mode_argument` -- ``Optimizer`` ignores the DHT's client mode unless it is passed explicitly.
 6. :func:`silence_schedule_fast_forward_warning` -- a late joiner's schedule fast-forward makes torch warn.
+7. :func:`grad_buffers_for_scaler` -- ``hivemind.GradScaler`` unscales the wrong tensors unless gradients
+   accumulate in the model's own ``.grad`` buffers.
 """
 
 from __future__ import annotations
@@ -104,3 +106,16 @@ def silence_schedule_fast_forward_warning() -> None:
     warnings.filterwarnings(
         "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
     )
+
+
+def grad_buffers_for_scaler(uses_grad_scaler: bool, use_local_updates: bool) -> bool:
+    """The ``reuse_grad_buffers`` to give ``hivemind.Optimizer``: True whenever a ``hivemind.GradScaler`` is used
+    with gradient averaging.
+
+    Before averaging, hivemind unscales the gradients it finds in the model's ``.grad`` buffers. With its default
+    separate accumulators those buffers hold only the last micro-batch: the accumulated gradients would be averaged
+    and applied still multiplied by the loss scale (2^16), and the finiteness check would look at one micro-batch.
+    With ``reuse_grad_buffers`` the ``.grad`` buffers are the accumulators, so unscaling and the check cover the
+    whole step. hivemind forbids it with local updates, which unscale every micro-batch anyway.
+    """
+    return uses_grad_scaler and not use_local_updates

@@ -17,7 +17,12 @@ from hivemind.compression import (
 )
 
 from common.config import CollaborationConfig, Compression, Semantics
-from common.hivemind_compat import client_mode_argument, silence_schedule_fast_forward_warning, skip_nonfinite_steps
+from common.hivemind_compat import (
+    client_mode_argument,
+    grad_buffers_for_scaler,
+    silence_schedule_fast_forward_warning,
+    skip_nonfinite_steps,
+)
 from common.task import Task
 
 logger = logging.getLogger(__name__)
@@ -60,8 +65,10 @@ def make_collaborative_optimizer(
     collab: CollaborationConfig,
     local_batch_size: Optional[int],
     auxiliary: bool = False,
+    uses_grad_scaler: bool = False,
 ) -> hivemind.Optimizer:
-    """The task's optimizer wrapped in hivemind.Optimizer; ``auxiliary`` peers only help average."""
+    """The task's optimizer wrapped in hivemind.Optimizer; ``auxiliary`` peers only help average.
+    ``uses_grad_scaler``: the trainer steps it with a ``hivemind.GradScaler`` (fp16)."""
     flags = SEMANTICS[collab.semantics]
     compression = make_compression(collab.compression)
     averager_opts = {"bandwidth": collab.bandwidth} if collab.bandwidth is not None else {}
@@ -81,6 +88,7 @@ def make_collaborative_optimizer(
         use_local_updates=flags.use_local_updates,
         delay_optimizer_step=flags.delay_optimizer_step,
         delay_grad_averaging=flags.delay_grad_averaging,
+        reuse_grad_buffers=grad_buffers_for_scaler(uses_grad_scaler, flags.use_local_updates),
         auxiliary=auxiliary,
         client_mode=client_mode_argument(dht),
         grad_compression=compression,

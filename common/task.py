@@ -63,6 +63,22 @@ class Task(abc.ABC):
     def batches(self, stream_seed: int) -> Iterator[Batch]:
         """An endless stream of micro-batches, ordered by ``stream_seed`` (each peer gets its own)."""
 
+    def batch_plan(self, stream_seed: int):
+        """``batches`` as a ``common.pipeline.PlannedBatches`` (a plan of sample ids + how to build one batch), so
+        several worker processes can build it; None (the default): the stream runs whole in one worker."""
+        return None
+
+    def batch_stream(self, stream_seed: int, workers: int = 0, pin_memory: bool = False) -> Iterator[Batch]:
+        """``batches``, built by ``workers`` DataLoader processes (0: on the calling thread); same batches either
+        way."""
+        if workers == 0:
+            return self.batches(stream_seed)
+        from common.pipeline import WholeStream, load_batches  # the pipeline module builds on this one
+
+        planned = self.batch_plan(stream_seed)
+        whole = WholeStream(lambda: self.batches(stream_seed))
+        return load_batches(planned if planned is not None else whole, workers, pin_memory)
+
     def heldout_batches(self, count: int) -> Optional[List[Batch]]:
         """``count`` fixed micro-batches from data the task never trains on (a held-out split), for evaluation;
         None (the default) when the task keeps no such split."""

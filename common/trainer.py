@@ -17,8 +17,10 @@ from typing import Dict, List, Optional
 import torch
 
 from common.backends import TrainingBackend
+from common.checkpoints import save_checkpoint
 from common.lifecycle import StopFlag
 from common.metrics import StepRecord
+from common.precision import autocast
 from common.task import SAMPLE_IDS, Task
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class TrainingSummary:
     compute_seconds: float
     skipped_nonfinite: int
     stopped_by: str
+    overflow_discards: int = 0  # fp16: times the loss scaler skipped this process's gradients (common/precision.py)
+    loss_scale: Optional[float] = None  # fp16: the final loss scale
 
     @property
     def samples_per_second(self) -> float:
@@ -95,8 +99,15 @@ class Trainer:
         record_sample_ids: bool = False,
         skip_nonfinite: bool = True,
         inject_nonfinite_every: int = 0,
+        inject_overflow_at_step: int = -1,
+        dataloader_workers: int = 0,
+        checkpoint_dir: Optional[Path] = None,
+        checkpoint_every_steps: int = 0,
+        keep_checkpoints: int = 3,
         stop: Optional[StopFlag] = None,
     ):
+        """``precision``: resolved (fp32, fp16 or bf16); the backend holds fp16's loss scaler.
+        ``checkpoint_every_steps``: baselines save ``backend.checkpoint_state()`` to ``checkpoint_dir``."""
         self.task, self.backend, self.peer_name = task, backend, peer_name
         self.stream_seed, self.max_global_steps, self.max_wall_seconds = (
             stream_seed,
@@ -106,15 +117,13 @@ class Trainer:
         self.output_dir, self.device, self.precision = output_dir, device, precision
         self.log_every_seconds, self.record_sample_ids = log_every_seconds, record_sample_ids
         self.skip_nonfinite, self.stop = skip_nonfinite, stop or StopFlag()
-        self.inject_nonfinite_every = inject_nonfinite_every
+        self.inject_nonfinite_every, self.inject_overflow_at_step = inject_nonfinite_every, inject_overflow_at_step
+        self.dataloader_workers = dataloader_workers
+        self.checkpoint_dir, self.checkpoint_every_steps = checkpoint_dir, checkpoint_every_steps
+        self.keep_checkpoints = keep_checkpoints
         self.records: List[StepRecord] = []
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.steps_log = self.output_dir / "steps.jsonl"
-
-    def _autocast(self):
-        if self.device.type == "cuda" and self.precision in ("fp16", "bf16"):
-            return torch.autocast("cuda", dtype=torch.float16 if self.precision == "fp16" else torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
 
     def _finish_step(self, accumulator: StepAccumulator, finished_step: int) -> None:
         accumulator.step = finished_step
@@ -127,6 +136,17 @@ class Trainer:
         with self.steps_log.open("a") as log:
             log.write(json.dumps(entry) + "\n")
         self.task.on_global_step(self.task.model, finished_step + 1)
+        if self.checkpoint_every_steps and (finished_step + 1) % self.checkpoint_every_steps == 0:
+            state = self.backend.checkpoint_state()
+            if state is not None and self.checkpoint_dir is not None:
+                save_checkpoint(self.checkpoint_dir, finished_step + 1, state, self.keep_checkpoints)
+
+    def _inject_overflow(self) -> None:
+        """Fault injection (tests): an infinite gradient, as an fp16 backward that overflowed leaves."""
+        self.inject_overflow_at_step = -1  # once
+        param = next(param for param in self.task.model.parameters() if param.grad is not None)
+        param.grad.view(-1)[0] = float("inf")
+        logger.warning(f"debug: injected an overflowing gradient at global step {self.backend.global_step}")
 
     def run(self) -> TrainingSummary:
         self.task.model.to(self.device)
@@ -137,7 +157,7 @@ class Trainer:
         last_log = started
         stopped_by = "max_global_steps"
         accumulator = StepAccumulator(step=self.backend.global_step)
-        batches = self.task.batches(self.stream_seed)
+        batches = self.task.batch_stream(self.stream_seed, self.dataloader_workers, self.device.type == "cuda")
         micro_batches_seen = 0
         while True:
             if self.backend.global_step >= self.max_global_steps:
@@ -154,17 +174,19 @@ class Trainer:
             batch = next(batches)
             tick = time.perf_counter()
             sample_ids = batch.get(SAMPLE_IDS)
-            batch = {name: value.to(self.device) for name, value in batch.items()}
+            batch = {name: value.to(self.device, non_blocking=True) for name, value in batch.items()}
             micro_batches_seen += 1
             with self.backend.micro_step_context():
-                with self._autocast():
+                with autocast(self.device, self.precision):
                     output = self.task.forward(model, batch)
                 if self.inject_nonfinite_every and micro_batches_seen % self.inject_nonfinite_every == 0:
                     output.loss = output.loss * float("nan")  # fault injection (tests only)
                 loss_value = float(output.loss.detach())
                 finite = math.isfinite(loss_value) or not self.skip_nonfinite
                 if finite:
-                    output.loss.backward()
+                    self.backend.backward(output.loss)
+                    if self.inject_overflow_at_step == self.backend.global_step:
+                        self._inject_overflow()
             if not finite:
                 skipped += 1
                 logger.warning(
@@ -173,7 +195,8 @@ class Trainer:
                 self.backend.zero_grad()
                 continue
             self.task.after_backward(self.task.model, self.backend.global_step)
-            if self.skip_nonfinite and not _all_finite(self.task.model.parameters()):
+            scaler_judges = self.backend.grad_scaler is not None  # it skips (and lowers the scale) by itself
+            if self.skip_nonfinite and not scaler_judges and not _all_finite(self.task.model.parameters()):
                 skipped += 1
                 logger.warning(f"non-finite gradients at step {self.backend.global_step}: micro-batch skipped")
                 self.backend.zero_grad()
@@ -182,10 +205,11 @@ class Trainer:
             if self.record_sample_ids and sample_ids is not None:
                 batch_ids = {"ids": sample_ids.tolist(), "pass": int(batch.get("pass_index", torch.tensor(0)))}
             accumulator.add(loss_value, output.batch_size, output.metrics, batch_ids)
-            reloads_before = self.backend.state_reloads
+            discards_before = (self.backend.state_reloads, self.backend.overflow_discards)
             finished = self.backend.step(output.batch_size)
             self.backend.zero_grad()
-            if self.backend.state_reloads != reloads_before:  # the swarm's state replaced our accumulated work
+            if finished is None and (self.backend.state_reloads, self.backend.overflow_discards) != discards_before:
+                # the swarm's state replaced our accumulated work, or an fp16 overflow discarded it
                 accumulator = StepAccumulator(step=self.backend.global_step)
             compute_seconds += time.perf_counter() - tick
             samples_total += output.batch_size
@@ -209,6 +233,8 @@ class Trainer:
             compute_seconds=compute_seconds,
             skipped_nonfinite=skipped,
             stopped_by=stopped_by,
+            overflow_discards=self.backend.overflow_discards,
+            loss_scale=self.backend.loss_scale,
         )
         logger.info(
             f"stopped ({stopped_by}) at global step {summary.global_steps}: {summary.samples} samples, "

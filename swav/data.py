@@ -204,8 +204,9 @@ class MultiCropDataset:
         batch["pass_index"] = torch.tensor(pass_index)
         return batch
 
-    def stream(self, stream_seed: int, batch_size: int) -> Iterator[Batch]:
-        """Reshuffled every pass by ``stream_seed``; only full micro-batches (BatchNorm needs several samples)."""
+    def plan(self, stream_seed: int, batch_size: int) -> Iterator[Tuple[List[int], int]]:
+        """Endless (sample ids, pass), reshuffled every pass by ``stream_seed``; only full micro-batches (BatchNorm
+        needs several samples)."""
         if batch_size > len(self):
             raise DataError(f"micro-batch of {batch_size} exceeds the {len(self)} images available")
         pass_index = 0
@@ -213,5 +214,10 @@ class MultiCropDataset:
             generator = torch.Generator().manual_seed(stable_seed(stream_seed, "order", pass_index))
             order = torch.randperm(len(self), generator=generator)
             for start in range(0, len(order) - batch_size + 1, batch_size):
-                yield self.batch(order[start : start + batch_size].tolist(), pass_index)
+                yield order[start : start + batch_size].tolist(), pass_index
             pass_index += 1
+
+    def stream(self, stream_seed: int, batch_size: int) -> Iterator[Batch]:
+        """Endless micro-batches, in ``plan``'s order (``common.pipeline`` builds them in worker processes)."""
+        for ids, pass_index in self.plan(stream_seed, batch_size):
+            yield self.batch(ids, pass_index)

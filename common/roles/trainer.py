@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+import hivemind
 import torch
 from hivemind.utils.auth import AuthorizerBase
 
@@ -18,10 +19,12 @@ from common.backends import (
     model_fingerprint,
     require_same_model,
 )
+from common.checkpoints import CHECKPOINT_DIR, resume_from_checkpoint
 from common.config import Backend, RunConfig, import_task_module
 from common.lifecycle import StopFlag
 from common.optimizer import make_collaborative_optimizer
 from common.peer import device_for, link_bandwidth, start_peer_dht
+from common.precision import needs_loss_scaling, resolve_precision
 from common.seeding import stable_seed
 from common.task import EXPORT_DIR, ExportFacts
 from common.trainer import Trainer, TrainingSummary
@@ -40,24 +43,37 @@ def build_backend(
     config_path: str,
     stop: StopFlag,
     authorizer: Optional[AuthorizerBase] = None,
+    precision: str = "fp32",
 ) -> TrainingBackend:
+    """``precision``: resolved (fp32, fp16 or bf16); fp16 gives the backend its loss scaler."""
     if config.training.backend == Backend.single:
-        return SingleProcessBackend(task, config.collaboration.target_batch_size, history_dir=output_dir)
+        return SingleProcessBackend(
+            task, config.collaboration.target_batch_size, history_dir=output_dir, precision=precision
+        )
     if config.training.backend == Backend.ddp:
         from common.ddp import DDPBackend  # imported lazily: only the baseline needs torch.distributed
 
-        return DDPBackend(task, config)
+        return DDPBackend(task, config, precision)
     dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer)
     fingerprint = model_fingerprint(task.model)
     try:
         require_same_model(dht, config.collaboration.run_id, fingerprint)
         collab = dataclasses.replace(config.collaboration, bandwidth=link_bandwidth(dht, config))
-        optimizer = make_collaborative_optimizer(dht, task, collab, config.training.local_batch_size)
+        optimizer = make_collaborative_optimizer(
+            dht, task, collab, config.training.local_batch_size, uses_grad_scaler=needs_loss_scaling(precision)
+        )
     except BaseException:
         dht.shutdown()
         raise
     backend = CollaborativeBackend(
-        dht, optimizer, config.collaboration, peer_name, "trainer", config.monitor.metrics_expiration, fingerprint
+        dht,
+        optimizer,
+        config.collaboration,
+        peer_name,
+        "trainer",
+        config.monitor.metrics_expiration,
+        fingerprint,
+        grad_scaler=hivemind.GradScaler(device_for(config).type) if needs_loss_scaling(precision) else None,
     )
     try:
         backend.catch_up()
@@ -93,25 +109,42 @@ def run_trainer(
     output_dir = Path(config.training.output_dir)
     task_module = import_task_module(config.task_module)
     torch.manual_seed(config.training.seed)  # every peer starts from the same initial parameters
+    device = device_for(config)
+    precision = resolve_precision(config.training.precision, device, config.debug.fp16_on_cpu)
     task = task_module.build_task(config)
-    backend = build_backend(config, task, peer_name, output_dir, config_path, stop, authorizer)
+    task.model.to(device)  # before the backend: optimizers, accumulators and hivemind's copies live beside it
+    backend = build_backend(config, task, peer_name, output_dir, config_path, stop, authorizer, precision)
+    checkpoint_dir = output_dir / CHECKPOINT_DIR
+    baseline = config.training.backend != Backend.collaborative  # a swarm resumes from its peers or the monitor
+    resumed_step = (
+        resume_from_checkpoint(backend, checkpoint_dir) if baseline and config.training.checkpoint_every_steps else 0
+    )
+    stream_key = peer_name
     if backend.worker_label is not None:  # one folder and data stream per DDP worker
         peer_name, output_dir = f"{peer_name}-{backend.worker_label}", output_dir / backend.worker_label
+        stream_key = peer_name
+    if resumed_step:  # a fresh sample order after a restart (replaying the consumed one would cost its loading time)
+        stream_key = f"{stream_key} resumed at step {resumed_step}"
     try:
         trainer = Trainer(
             task,
             backend,
             peer_name=peer_name,
-            stream_seed=stable_seed(config.training.seed, peer_name),
+            stream_seed=stable_seed(config.training.seed, stream_key),
             max_global_steps=config.training.max_global_steps,
             max_wall_seconds=config.training.max_wall_seconds,
             output_dir=output_dir,
-            device=device_for(config),
-            precision=config.training.precision,
+            device=device,
+            precision=precision,
             log_every_seconds=config.training.log_every_seconds,
             record_sample_ids=config.debug.record_sample_ids,
             skip_nonfinite=config.training.skip_nonfinite,
             inject_nonfinite_every=config.debug.inject_nonfinite_every,
+            inject_overflow_at_step=config.debug.inject_overflow_at_step,
+            dataloader_workers=config.training.dataloader_workers,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every_steps=config.training.checkpoint_every_steps,
+            keep_checkpoints=config.training.keep_checkpoints,
             stop=stop,
         )
         summary = trainer.run()

@@ -1,0 +1,59 @@
+"""Mixed precision, decided once per process: the autocast dtype, and whether gradients need a loss scaler.
+
+* ``fp32``: no autocast, no scaler.
+* ``bf16``: autocast to bfloat16. bfloat16 keeps float32's 8-bit exponent, so gradients underflow and overflow
+  no more than in fp32: no loss scaling and no skipped steps. ``auto`` picks it on GPUs that support it.
+* ``fp16``: autocast to float16 with dynamic loss scaling. float16's smallest normal number is about 6e-5 and
+  small gradients (ALBERT-large's are) flush to zero without scaling: the loss is multiplied by a scale
+  (2^16 at first) before backward and the gradients divided by it before the optimizer. A non-finite scaled
+  gradient halves the scale and its gradients are skipped; every 2000 clean global steps double it.
+* ``auto``: bf16 on a CUDA GPU that supports it, fp16 on an older CUDA GPU, fp32 on a CPU.
+
+Where an fp16 step is skipped depends on the backend (each follows its library's rule):
+
+* single and DDP (torch / accelerate): the scaler checks the gradients of the whole global batch (on DDP after
+  the all-reduce, so every worker sees the same values) and skips the global step; every worker alike.
+* collaborative (``hivemind.GradScaler``): a peer checks each micro-batch's scaled gradients; an overflow
+  discards the gradients this peer accumulated for the step in progress and halves its scale, and the swarm's
+  step goes on with everyone else's samples. A global step whose *averaged* gradients are not finite is skipped
+  by every peer alike (they all receive the same average: see ``hivemind_compat.skip_nonfinite_steps``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+
+
+def resolve_precision(requested: str, device: torch.device, fp16_on_cpu: bool = False) -> str:
+    """``requested`` (a config value) -> fp32, fp16 or bf16 for this device; fp16 without a GPU is an error."""
+    if requested == "auto":
+        if device.type == "cuda":
+            chosen = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        else:
+            chosen = "fp32"
+        logger.info(f"training.precision=auto: {chosen} on {device.type}")
+        return chosen
+    if requested == "fp16" and device.type != "cuda" and not fp16_on_cpu:
+        raise ConfigError(
+            f"training.precision=fp16 needs a CUDA GPU and this run uses {device.type}: "
+            f"set training.precision=auto (fp32 here) or fp32"
+        )
+    return requested
+
+
+def autocast(device: torch.device, precision: str):
+    """The forward pass's autocast context (a disabled one for fp32)."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def needs_loss_scaling(precision: str) -> bool:
+    return precision == "fp16"
