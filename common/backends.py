@@ -16,6 +16,7 @@ import hashlib
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
@@ -99,7 +100,17 @@ class TrainingBackend(abc.ABC):
             f"rate or enable gradient clipping; the last checkpoint is unaffected"
         )
 
+    def swarm_status(self) -> Optional[SwarmStatus]:
+        """What the swarm looks like from this peer (collaborative backends only)."""
+        return None
+
     def shutdown(self) -> None: ...
+
+
+@dataclass
+class SwarmStatus:
+    peers: int  # trainers hivemind's progress tracker sees (this one included)
+    samples_per_second: float  # the swarm's rate, from its global progress since this peer's last look
 
 
 def load_baseline_state(model, optimizer, scheduler, grad_scaler, state: dict) -> None:
@@ -209,6 +220,7 @@ class CollaborativeBackend(TrainingBackend):
         self.public_key = RSASignatureValidator().local_public_key  # the process-wide key signs our records
         self.state_reloads = 0
         self.last_publish: Optional[Future] = None
+        self._last_progress: Optional[tuple] = None  # (time, samples the swarm had processed), for swarm_status
         count_state_reloads(optimizer, self._count_reload)
 
     def _count_reload(self) -> None:
@@ -273,6 +285,15 @@ class CollaborativeBackend(TrainingBackend):
             return_future=True,
         )
 
+    def swarm_status(self) -> Optional[SwarmStatus]:
+        progress = self.optimizer.tracker.global_progress
+        # finished epochs count whole target batches; the current one what the peers report so far
+        now, processed = time.time(), progress.epoch * self.collab.target_batch_size + progress.samples_accumulated
+        previous, self._last_progress = self._last_progress, (now, processed)
+        if previous is None or now <= previous[0]:
+            return None
+        return SwarmStatus(progress.num_peers, max(0.0, processed - previous[1]) / (now - previous[0]))
+
     def wait_for_swarm(self, stop_requested) -> None:
         """Start barrier: wait until ``expected_peers`` trainers report, so nobody races ahead alone."""
         expected, deadline = self.collab.expected_peers, time.monotonic() + self.collab.start_barrier_timeout
@@ -291,6 +312,7 @@ class CollaborativeBackend(TrainingBackend):
                 last_log = time.monotonic()
             time.sleep(0.5)
         restart_throughput_timer(self.optimizer)
+        self.swarm_status()  # the first progress report then has a swarm rate to show
 
     def catch_up(self) -> None:
         """Load the newest state any peer shares: a late joiner gets the swarm's parameters, optimizer state and

@@ -51,10 +51,15 @@ def require(condition: bool, message: str) -> None:
 @dataclass
 class NetworkConfig:
     initial_peers: List[str] = field(default_factory=list)
-    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    # where to listen: every interface by default, so volunteers on other machines can dial in
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    # the addresses to announce instead of the listening ones: a public address (e.g. /ip4/203.0.113.5/tcp/31337)
+    # when this machine is reached through port forwarding or a cloud VM's public IP
     announce_maddrs: List[str] = field(default_factory=list)
     client_mode: bool = False  # behind NAT/firewall: only outbound connections
-    identity_path: Optional[str] = None  # RSA key file: a stable peer id across restarts
+    # RSA key file, the peer's identity (its peer id); default <training.output_dir>/identity.key, so a restarted
+    # peer with the same output folder is the same contributor
+    identity_path: Optional[str] = None
     use_relay: bool = True
     use_auto_relay: bool = False
     bootstrap_timeout: float = 30.0
@@ -255,3 +260,8 @@ def config_from_container(raw: Any, source: str = "config") -> RunConfig:
 
 def to_yaml(config: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def to_container(config: RunConfig) -> dict:
+    """The resolved config as plain nested dicts (enums as their values), e.g. for wandb's run config."""
+    return OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import shlex
-import sys
 from typing import List, Optional, Sequence
 
 import hivemind
@@ -85,10 +85,48 @@ def _has_neighbours(dht: hivemind.DHT) -> bool:
 
 
 def visible_multiaddrs(dht: hivemind.DHT) -> List[str]:
-    return [str(address) for address in dht.get_visible_maddrs()]
+    """This peer's addresses that another machine can dial (see :func:`dialable`)."""
+    return dialable([str(address) for address in dht.get_visible_maddrs()])
 
 
-def join_command(dht: hivemind.DHT, role_script: str, config_path: str) -> str:
-    """The exact command a new volunteer pastes to join this swarm."""
-    peers = " ".join(shlex.quote(address) for address in visible_multiaddrs(dht))
-    return f"{shlex.quote(sys.executable)} {role_script} --config {config_path} --initial-peers {peers}"
+def dialable(addresses: Sequence[str]) -> List[str]:
+    """Drop the addresses only this machine can use: loopback and link-local ones go whenever any other address
+    exists (a peer listening on every interface reports all of them); with nothing else, loopback is kept (a
+    machine without a network can still host a local swarm). Relay (``/p2p-circuit``) addresses are kept."""
+    kinds = {address: _address_kind(address) for address in addresses}
+    for wanted in (("routable", "relay"), ("link-local",)):
+        chosen = [address for address in addresses if kinds[address] in wanted]
+        if chosen:
+            return chosen
+    return list(addresses)
+
+
+def _address_kind(address: str) -> str:
+    parsed = Multiaddr(address)
+    names = [protocol.name for protocol in parsed.protocols()]
+    if "p2p-circuit" in names:
+        return "relay"
+    for family in ("ip4", "ip6"):
+        if family in names:
+            ip = ipaddress.ip_address(parsed.value_for_protocol(family))
+            if ip.is_loopback:
+                return "loopback"
+            return "link-local" if ip.is_link_local else "routable"
+    return "routable"  # a DNS name: the announcer chose it for others to use
+
+
+def join_command(
+    addresses: Sequence[str],
+    script: str,
+    config_path: str,
+    overrides: Sequence[str] = (),
+    auth_server: Optional[str] = None,
+) -> str:
+    """The command a volunteer on another machine pastes to join: ``python`` (theirs, not ours), a config path
+    inside the repository, the run-defining overrides the organiser used, and (in a moderated run) the
+    authorization server."""
+    parts = ["python", script, "--config", config_path]
+    if auth_server is not None:
+        parts += ["--auth-server", auth_server]
+    parts += ["--initial-peers", *addresses, *overrides]
+    return " ".join(shlex.quote(part) for part in parts)

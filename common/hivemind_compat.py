@@ -11,6 +11,8 @@ why the project cannot take it as it is. Nothing else in the repository patches 
 6. :func:`silence_schedule_fast_forward_warning` -- a late joiner's schedule fast-forward makes torch warn.
 7. :func:`grad_buffers_for_scaler` -- ``hivemind.GradScaler`` unscales the wrong tensors unless gradients
    accumulate in the model's own ``.grad`` buffers.
+8. :func:`rsa_private_key_from_der` and :func:`sign_with_identity_key` -- records and tokens are signed with a
+   random per-process key unrelated to the peer id.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable, Sequence
 
 import hivemind
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 PINNED_VERSION = "1.1.12"
 logger = logging.getLogger(__name__)
@@ -106,6 +109,29 @@ def silence_schedule_fast_forward_warning() -> None:
     warnings.filterwarnings(
         "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
     )
+
+
+def rsa_private_key_from_der(der: bytes) -> RSAPrivateKey:
+    """hivemind's ``RSAPrivateKey`` can only generate a fresh key; its pickling state is the DER encoding, so
+    restoring that state is how an existing key (a peer identity file) becomes one."""
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": der})
+    return key
+
+
+def sign_with_identity_key(private_key: RSAPrivateKey) -> None:
+    """Make ``private_key`` the process-wide key hivemind signs with.
+
+    ``RSASignatureValidator`` (metrics and progress records), the progress tracker and access-token authorizers
+    all default to ``RSAPrivateKey.process_wide()``, a key generated at random in each process and unrelated to
+    the libp2p identity. Installing the identity key there (before any of them is built) makes a peer's records
+    and tokens name its peer id, so the monitor can key contributions by peer id and a restarted peer keeps it.
+    """
+    with RSAPrivateKey._process_wide_key_lock:
+        current = RSAPrivateKey._process_wide_key
+        if current is not None and current is not private_key and current.to_bytes() != private_key.to_bytes():
+            raise RuntimeError("hivemind's process-wide key was already used before the peer identity was loaded")
+        RSAPrivateKey._process_wide_key = private_key
 
 
 def grad_buffers_for_scaler(uses_grad_scaler: bool, use_local_updates: bool) -> bool:

@@ -1,8 +1,10 @@
 """Per-peer training metrics in the DHT: signed, schema-validated records, aggregated per global step.
 
 Each trainer stores, under ``<run_id>_metrics`` with its own public key as subkey, its summaries of its
-last few global steps. Keeping a short window means the monitor never misses a step because of its
-polling period, and aggregating by the ``step`` field (not by arrival time) means stale steps never mix.
+last few global steps. That key is the peer's identity key (``common.identity``), so the subkey tells the monitor
+the peer id of the record's author: contributions are keyed by peer id, and ``peer_name`` is only a label.
+Keeping a short window means the monitor never misses a step because of its polling period, and aggregating
+by the ``step`` field (not by arrival time) means stale steps never mix.
 Records are RSA-signed by hivemind's ``RSASignatureValidator`` (a peer can only write its own subkey) and
 checked against the pydantic schema below (malformed records are refused by every DHT node).
 """
@@ -62,7 +64,9 @@ class StepAggregate:
     seconds: float  # longest peer wall time for the step
     time: float
     metrics: Dict[str, float]
-    contributions: Dict[str, int]  # peer name -> samples
+    contributions: Dict[str, int]  # peer id -> samples
+    names: Dict[str, str]  # peer id -> the display name it chose (names may repeat; peer ids do not)
+    samples_per_second: Optional[float] = None  # the swarm's rate: samples / time since the previous step ended
 
     def to_json(self) -> dict:
         return {
@@ -74,11 +78,13 @@ class StepAggregate:
             "time": self.time,
             "metrics": self.metrics,
             "contributions": self.contributions,
+            "names": self.names,
+            "samples_per_second": self.samples_per_second,
         }
 
 
-def aggregate_step(step: int, records: Dict[str, StepRecord]) -> StepAggregate:
-    """Combine the named peers' records of ``step`` (weights: samples contributed)."""
+def aggregate_step(step: int, records: Dict[str, StepRecord], names: Optional[Dict[str, str]] = None) -> StepAggregate:
+    """Combine the peers' records of ``step`` (keyed by peer id; weights: samples contributed)."""
     assert all(record.step == step for record in records.values()), "records of another step mixed in"
     total = sum(record.samples for record in records.values())
     weights = {name: (record.samples / total if total else 1.0 / len(records)) for name, record in records.items()}
@@ -98,7 +104,8 @@ def aggregate_step(step: int, records: Dict[str, StepRecord]) -> StepAggregate:
         seconds=max(record.seconds for record in records.values()),
         time=max(record.time for record in records.values()),
         metrics=metrics,
-        contributions={name: record.samples for name, record in sorted(records.items())},
+        contributions={peer: record.samples for peer, record in sorted(records.items())},
+        names={peer: (names or {}).get(peer, peer) for peer in sorted(records)},
     )
 
 
@@ -107,13 +114,16 @@ class StepAggregator:
     """Collects records by step and releases a step once the swarm is safely past it."""
 
     pending: Dict[int, Dict[str, StepRecord]] = field(default_factory=dict)
+    names: Dict[str, str] = field(default_factory=dict)  # peer id -> display name
     finished_up_to: int = -1
     max_seen_step: int = -1
+    last_step_time: Optional[float] = None  # when the previously released step ended (for the swarm's rate)
 
-    def add(self, peer_name: str, record: StepRecord) -> None:
+    def add(self, peer_id: str, peer_name: str, record: StepRecord) -> None:
         if record.step <= self.finished_up_to or not math.isfinite(record.loss):
             return
-        self.pending.setdefault(record.step, {})[peer_name] = record
+        self.pending.setdefault(record.step, {})[peer_id] = record
+        self.names[peer_id] = peer_name
         self.max_seen_step = max(self.max_seen_step, record.step)
 
     def pop_ready(self, flush: bool = False) -> List[StepAggregate]:
@@ -121,9 +131,23 @@ class StepAggregator:
         ready = []
         for step in sorted(self.pending):
             if flush or step <= self.max_seen_step - 2:
-                ready.append(aggregate_step(step, self.pending.pop(step)))
+                aggregate = aggregate_step(step, self.pending.pop(step), self.names)
+                if self.last_step_time is not None and aggregate.time > self.last_step_time:
+                    aggregate.samples_per_second = aggregate.samples / (aggregate.time - self.last_step_time)
+                self.last_step_time = aggregate.time
+                ready.append(aggregate)
                 self.finished_up_to = max(self.finished_up_to, step)
         return ready
+
+
+def contributor_labels(history: List[dict]) -> Dict[str, str]:
+    """Peer id -> a unique readable label: the peer's name, with its peer id's tail where two peers share it."""
+    names: Dict[str, str] = {}
+    for entry in history:
+        for peer in entry["contributions"]:
+            names[peer] = entry.get("names", {}).get(peer, peer)
+    shared = {name for name in names.values() if list(names.values()).count(name) > 1}
+    return {peer: (f"{name}@{peer[-6:]}" if name in shared else name) for peer, name in names.items()}
 
 
 class HistoryWriter:
@@ -141,11 +165,14 @@ class HistoryWriter:
         metric_names = sorted(aggregate.metrics)
         with self.csv_path.open("a") as csv_file:
             if new_file:
-                csv_file.write(",".join(["step", "peers", "samples", "loss", "seconds", "time", *metric_names]) + "\n")
+                header = ["step", "peers", "samples", "samples_per_second", "loss", "seconds", "time", *metric_names]
+                csv_file.write(",".join(header) + "\n")
+            rate = aggregate.samples_per_second
             values = [
                 aggregate.step,
                 aggregate.peers,
                 aggregate.samples,
+                "" if rate is None else f"{rate:.2f}",
                 f"{aggregate.loss:.6f}",
                 f"{aggregate.seconds:.3f}",
                 f"{aggregate.time:.3f}",

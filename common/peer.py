@@ -10,17 +10,33 @@ from typing import List, Optional, Sequence
 
 import hivemind
 import torch
+import yaml
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.auth import AuthorizerBase
 
+from common import startup
 from common.bandwidth import bandwidth_for_averager, measure_link_to_initial_peer, serve_bandwidth_probe
-from common.config import RunConfig, load_config
+from common.config import Backend, RunConfig, load_config, to_container, to_yaml
 from common.dht import join_command, start_dht, visible_multiaddrs
+from common.hivemind_compat import sign_with_identity_key
+from common.identity import IDENTITY_FILE, PeerIdentity, load_identity
 from common.metrics import make_validators
 
 logger = logging.getLogger(__name__)
 
+ROOT = Path(__file__).resolve().parents[1]
 ADDRESS_FILE = "initial_peers.txt"  # a peer's multiaddrs, one per line, for launchers and volunteers
+RESOLVED_CONFIG_FILE = "config.yaml"  # the config this peer runs with, every default and override resolved
+JOIN_COMMAND_FILE = "join_command.txt"  # the command a volunteer pastes, as logged
+CONFIG_KEYS_HELP = (
+    "Config keys: the sections network, collaboration, training, monitor and debug are listed with their "
+    "defaults in common/config.py; the task section in the experiment's task.py (TaskConfig), e.g. "
+    "albert/task.py. Override any key as key=value, e.g. training.max_global_steps=20."
+)
+# what volunteers must share with the organiser: everything that defines the run rather than one peer's machine
+RUN_WIDE_SECTIONS = ("task", "collaboration")
+PER_PEER_COLLABORATION_KEYS = ("bandwidth", "measure_bandwidth", "bandwidth_probe_seconds")
+RUN_WIDE_TRAINING_KEYS = ("max_global_steps", "seed")
 
 
 @dataclass
@@ -29,13 +45,24 @@ class RoleArguments:
     config_path: str
     name: str
     auth_server: Optional[str] = None
+    identity: Optional[PeerIdentity] = None  # None for a trainer that starts no DHT (single-process, DDP)
+    name_given: bool = False  # False: ``name`` was derived from the peer id
 
 
-def parse_role_arguments(role: str, argv: Optional[Sequence[str]] = None, moderated: bool = False) -> RoleArguments:
-    """``moderated``: the role can join a moderated run (``--auth-server URL``; see common.auth.authorize)."""
-    parser = argparse.ArgumentParser(description=f"DeDLOC {role} peer", allow_abbrev=False)
-    if moderated:
-        parser.add_argument("--auth-server", default=None, help="URL of scripts/auth_server.py (moderated runs)")
+def role_argument_parser(role: str, moderated: bool = False, volunteer: bool = False) -> argparse.ArgumentParser:
+    """``moderated``: the role can join a moderated run (``--auth-server URL``; see common.auth.authorize).
+    ``volunteer``: it must (``--auth-server`` required) and runs in client mode unless ``--server-mode``."""
+    parser = argparse.ArgumentParser(description=f"DeDLOC {role} peer", allow_abbrev=False, epilog=CONFIG_KEYS_HELP)
+    if moderated or volunteer:
+        parser.add_argument(
+            "--auth-server", required=volunteer, default=None, help="URL of scripts/auth_server.py (moderated runs)"
+        )
+    if volunteer:
+        parser.add_argument(
+            "--server-mode",
+            action="store_true",
+            help="accept inbound connections (only if this machine is reachable; default: client mode)",
+        )
     parser.add_argument("--config", required=True, help="YAML file under configs/")
     parser.add_argument(
         "--initial-peers",
@@ -43,20 +70,45 @@ def parse_role_arguments(role: str, argv: Optional[Sequence[str]] = None, modera
         default=None,
         help="multiaddrs of any peer already in the swarm (printed by every running peer)",
     )
-    parser.add_argument("--name", default=None, help="this peer's name in logs and the leaderboard")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="a display name for logs and the leaderboard (default: derived from this peer's id; names may "
+        "repeat, a contributor is its peer id, kept in network.identity_path)",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. training.max_global_steps=20")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_role_arguments(
+    role: str, argv: Optional[Sequence[str]] = None, moderated: bool = False, volunteer: bool = False
+) -> RoleArguments:
+    """Parse the command line, load the config and this peer's identity (creating it on first start)."""
+    startup.mark("imports")
+    args = role_argument_parser(role, moderated, volunteer).parse_args(argv)
     # argparse lets --initial-peers swallow the overrides that follow it: give them back
     peers = [item for item in args.initial_peers or [] if not _looks_like_override(item)]
     overrides = [item for item in args.initial_peers or [] if _looks_like_override(item)] + args.overrides
     config = load_config(args.config, overrides)
     if args.initial_peers is not None:
         config.network.initial_peers = peers
+    if volunteer:
+        config.network.client_mode = not args.server_mode
+    identity = None
+    if role != "trainer" or config.training.backend == Backend.collaborative:
+        if config.network.identity_path is None:
+            config.network.identity_path = str(Path(config.training.output_dir) / IDENTITY_FILE)
+        identity = load_identity(config.network.identity_path)
+        sign_with_identity_key(identity.private_key)  # before any hivemind signer or authorizer is built
+    name = args.name or (identity.default_name(role) if identity is not None else role)
+    startup.mark("config and identity")
     return RoleArguments(
         config=config,
         config_path=args.config,
-        name=args.name or role,
-        auth_server=args.auth_server if moderated else None,
+        name=name,
+        auth_server=getattr(args, "auth_server", None),
+        identity=identity,
+        name_given=args.name is not None,
     )
 
 
@@ -94,12 +146,73 @@ def start_peer_dht(
     config_path: str,
     authorizer: Optional[AuthorizerBase] = None,
 ) -> hivemind.DHT:
-    """Start the DHT with the metrics validators, write our addresses, and log the volunteer join command."""
+    """Start the DHT with the metrics validators, save the resolved config, write our addresses, and log the
+    command a volunteer on another machine pastes to join (the volunteer command in a moderated run)."""
     validators: List = make_validators(config.collaboration.run_id, RSASignatureValidator())
     dht = start_dht(config.network, validators, authorizer)
+    startup.mark("DHT bootstrap")
+    logger.info(f"peer id {dht.peer_id} (identity {config.network.identity_path})")
     output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / RESOLVED_CONFIG_FILE).write_text(to_yaml(config))
     if not config.network.client_mode:
         serve_bandwidth_probe(dht)  # joining peers may measure their link against us
-        (output_dir / ADDRESS_FILE).write_text("\n".join(visible_multiaddrs(dht)) + "\n")
-        logger.info(f"to join this run, a volunteer runs:\n  {join_command(dht, join_script, config_path)}")
+        addresses = visible_multiaddrs(dht)
+        (output_dir / ADDRESS_FILE).write_text("\n".join(addresses) + "\n")
+        server_url = getattr(authorizer, "server_url", None)
+        command = join_command(
+            addresses,
+            "scripts/volunteer.py" if server_url else join_script,
+            portable_config_path(config_path),
+            run_overrides(config, config_path),
+            server_url,
+        )
+        (output_dir / JOIN_COMMAND_FILE).write_text(command + "\n")
+        logger.info(f"to join this run, a volunteer runs (from a clone of this repository):\n  {command}")
     return dht
+
+
+def read_join_command(output_dir: Path) -> str:
+    """The join command a peer logged (``start_peer_dht``); empty for a client-mode peer, which prints none."""
+    path = output_dir / JOIN_COMMAND_FILE
+    return path.read_text().strip() if path.exists() else ""
+
+
+def portable_config_path(config_path: str) -> str:
+    """The config path relative to the repository root (volunteers run from their own clone)."""
+    path = Path(config_path).resolve()
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        logger.warning(f"config {config_path} is outside the repository: volunteers need a copy at the same path")
+        return config_path
+
+
+def run_overrides(config: RunConfig, config_path: str) -> List[str]:
+    """The ``key=value`` overrides that make the config file into this run: run-wide keys only (task,
+    collaboration, step budget, seed), never this peer's machine, addresses or folders."""
+    base, current = _flatten(to_container(load_config(config_path))), _flatten(to_container(config))
+    overrides = []
+    for key, value in current.items():
+        section, _, leaf = key.partition(".")
+        run_wide = (section in RUN_WIDE_SECTIONS and leaf not in PER_PEER_COLLABORATION_KEYS) or key in {
+            f"training.{name}" for name in RUN_WIDE_TRAINING_KEYS
+        }
+        if run_wide and base.get(key) != value:
+            overrides.append(f"{key}={_dotlist_value(value)}")
+    return overrides
+
+
+def _flatten(container: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in container.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _dotlist_value(value) -> str:
+    """A value as an override's right-hand side (YAML flow style, as omegaconf parses it back)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+    return text[: -len("...")].strip() if text.endswith("...") else text

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from common.metrics import HistoryWriter
+from common.metrics import HistoryWriter, contributor_labels
 from common.roles.trainer import FINAL_STATE_FILE, SUMMARY_FILE
 
 NOT_AVERAGED = ("running_mean", "running_var", "num_batches_tracked", "position_ids", "token_type_ids")
@@ -79,10 +79,11 @@ def build_report(
     state_paths = [
         run_dir / name / FINAL_STATE_FILE for name in trainer_names if (run_dir / name / FINAL_STATE_FILE).exists()
     ]
-    contributions: Dict[str, int] = {}
+    contributions: Dict[str, int] = {}  # by contributor label: the peer's name, unique (see contributor_labels)
+    labels = contributor_labels(history)
     for entry in history:
-        for peer, samples in entry["contributions"].items():
-            contributions[peer] = contributions.get(peer, 0) + samples
+        for peer_id, samples in entry["contributions"].items():
+            contributions[labels[peer_id]] = contributions.get(labels[peer_id], 0) + samples
     difference = max_parameter_difference(state_paths)
     report = {
         "trainers": len(trainer_names),

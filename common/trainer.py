@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from common import startup
 from common.backends import TrainingBackend
 from common.checkpoints import save_checkpoint
 from common.lifecycle import StopFlag
@@ -69,6 +71,7 @@ class TrainingSummary:
     stopped_by: str
     overflow_discards: int = 0  # fp16: times the loss scaler skipped this process's gradients (common/precision.py)
     loss_scale: Optional[float] = None  # fp16: the final loss scale
+    peak_memory_mb: float = 0.0  # CUDA: peak allocated on the device; CPU: the process's peak resident set
 
     @property
     def samples_per_second(self) -> float:
@@ -76,6 +79,12 @@ class TrainingSummary:
 
     def to_json(self) -> dict:
         return {**self.__dict__, "samples_per_second": self.samples_per_second}
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
 def _all_finite(parameters) -> bool:
@@ -213,6 +222,7 @@ class Trainer:
                 accumulator = StepAccumulator(step=self.backend.global_step)
             compute_seconds += time.perf_counter() - tick
             samples_total += output.batch_size
+            startup.first_contribution()
             if finished is not None:
                 self._finish_step(accumulator, finished)
                 accumulator = StepAccumulator(step=self.backend.global_step)
@@ -235,6 +245,7 @@ class Trainer:
             stopped_by=stopped_by,
             overflow_discards=self.backend.overflow_discards,
             loss_scale=self.backend.loss_scale,
+            peak_memory_mb=peak_memory_mb(self.device),
         )
         logger.info(
             f"stopped ({stopped_by}) at global step {summary.global_steps}: {summary.samples} samples, "
@@ -255,3 +266,10 @@ class Trainer:
             f"step {step}/{self.max_global_steps} | loss {loss} | "
             f"{samples_total / max(elapsed, 1e-9):.1f} samples/s{eta}"
         )
+        # what the volunteer gives, and what the swarm does with it (as hivemind's own example reports)
+        steps_contributed = sum(1 for record in self.records if record.samples > 0)
+        swarm = self.backend.swarm_status()
+        swarm_text = (
+            "" if swarm is None else f" | swarm: {swarm.peers} peers, {swarm.samples_per_second:.1f} samples/s"
+        )
+        logger.info(f"your contribution: {samples_total} samples, {steps_contributed} steps{swarm_text}")

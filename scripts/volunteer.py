@@ -3,11 +3,10 @@
   python scripts/volunteer.py --config configs/sahajbert/paper.yaml --auth-server http://HOST:PORT \
       --initial-peers /ip4/.../p2p/... [--name NAME] [--server-mode] [key=value overrides]
 
-Credentials come from $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt. Refusals (not allowlisted, wrong
-password, expired access, unreachable server) end with one line naming the problem.
+The monitor of a moderated run prints this command with its addresses filled in. Credentials come from
+$DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt. Refusals (not allowlisted, wrong password, expired access,
+unreachable server) end with one line naming the problem. The display name defaults to the username.
 """
-
-import argparse
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
@@ -21,19 +20,10 @@ from common.roles.trainer import run_trainer
 @exit_on_user_error
 def main() -> None:
     stop = StopFlag().install()
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--auth-server", required=True, help="URL of scripts/auth_server.py")
-    parser.add_argument(
-        "--server-mode",
-        action="store_true",
-        help="accept inbound connections (only if this machine is reachable; default: client mode)",
-    )
-    own, rest = parser.parse_known_args()
-    setup_logging("volunteer")
-    authorizer = authorize(own.auth_server)  # refusals surface here, before the model, data or DHT are built
-    args = parse_role_arguments("volunteer", rest)
-    name = args.name if args.name != "volunteer" else authorizer.username
-    args.config.network.client_mode = not own.server_mode
+    args = parse_role_arguments("volunteer", volunteer=True)  # loads the identity the token is issued for
+    setup_logging(args.name)
+    authorizer = authorize(args.auth_server)  # refusals surface here, before the model, data or DHT are built
+    name = args.name if args.name_given else authorizer.username
     run_trainer(args.config, args.config_path, name, stop, authorizer)
 
 

@@ -14,7 +14,8 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.auth import AuthorizerBase
 
 from common.checkpoints import load_latest_checkpoint, save_checkpoint
-from common.config import RunConfig, import_task_module
+from common.config import RunConfig, import_task_module, to_container
+from common.identity import peer_id_of_record_owner
 from common.lifecycle import StopFlag
 from common.metrics import HistoryWriter, PeerMetrics, StepAggregate, StepAggregator, metrics_key
 from common.peer import start_peer_dht
@@ -39,12 +40,20 @@ class MetricsLogger:
             dir=str(output_dir),
             resume="allow",
             id=config.collaboration.run_id,
+            config=to_container(config),  # the resolved run config, as volunteers and readers see it
         )
 
     def log(self, aggregate: StepAggregate) -> None:
         if self.run is not None:
+            rate = {} if aggregate.samples_per_second is None else {"samples_per_second": aggregate.samples_per_second}
             self.run.log(
-                {"loss": aggregate.loss, "peers": aggregate.peers, "samples": aggregate.samples, **aggregate.metrics},
+                {
+                    "loss": aggregate.loss,
+                    "peers": aggregate.peers,
+                    "samples": aggregate.samples,
+                    **rate,
+                    **aggregate.metrics,
+                },
                 step=aggregate.step,
             )
 
@@ -54,8 +63,9 @@ class MetricsLogger:
 
 
 class Leaderboard:
-    """Per contributor: samples, global steps participated in, and time online (first to last step seen),
-    like sahajBERT's model card. Rebuilt from the history on restart, so it survives the monitor."""
+    """Per contributor (peer id; ``peer`` shows its name): samples, global steps participated in, and time online
+    (first to last step seen), like sahajBERT's model card. Rebuilt from the history on restart, so it survives
+    the monitor. Two volunteers with the same name are two rows."""
 
     def __init__(self, path: Path, history: list):
         self.path, self.rows = path, {}
@@ -63,10 +73,13 @@ class Leaderboard:
             self.add(entry)
 
     def add(self, entry: dict) -> None:
-        for peer, samples in entry["contributions"].items():
+        for peer_id, samples in entry["contributions"].items():
+            name = entry.get("names", {}).get(peer_id, peer_id)
             row = self.rows.setdefault(
-                peer, {"peer": peer, "samples": 0, "steps": 0, "first_seen": entry["time"], "last_seen": entry["time"]}
+                peer_id,
+                {"peer": name, "peer_id": peer_id, "samples": 0, "steps": 0, "first_seen": entry["time"]},
             )
+            row["peer"] = name  # a restarted volunteer may have renamed itself: show its latest name
             row["samples"] += samples
             row["steps"] += 1
             row["last_seen"] = entry["time"]
@@ -91,6 +104,7 @@ class Monitor:
         resumed = self.history.read()
         if resumed:
             self.aggregator.finished_up_to = resumed[-1]["step"]
+            self.aggregator.last_step_time = resumed[-1]["time"]
             logger.info(f"resuming history: {len(resumed)} steps already recorded (last step {resumed[-1]['step']})")
         self.leaderboard = Leaderboard(self.output_dir / "leaderboard.json", resumed)
         self.dht = start_peer_dht(config, self.output_dir, "scripts/train.py", config_path, authorizer)
@@ -128,15 +142,16 @@ class Monitor:
     def poll(self) -> None:
         entry = self.dht.get(metrics_key(self.config.collaboration.run_id), latest=True)
         if entry is not None and isinstance(entry.value, dict):
-            for subkey_entry in entry.value.values():
+            for subkey, subkey_entry in entry.value.items():
+                peer_id = peer_id_of_record_owner(subkey)  # the signing key, not a field its author could forge
                 try:
                     peer = PeerMetrics.parse_obj(subkey_entry.value)
                 except Exception:  # the schema validator already refuses these; never trust a record blindly
                     continue
-                if peer.role != "trainer":
+                if peer.role != "trainer" or peer_id is None:
                     continue
                 for record in peer.recent:
-                    self.aggregator.add(peer.peer_name, record)
+                    self.aggregator.add(peer_id, peer.peer_name, record)
 
     def publish_ready(self, flush: bool = False) -> None:
         ready = self.aggregator.pop_ready(flush=flush)
@@ -148,9 +163,10 @@ class Monitor:
             accuracy = "".join(
                 f" | {name} {value:.3f}" for name, value in aggregate.metrics.items() if name.endswith("accuracy")
             )
+            rate = "" if aggregate.samples_per_second is None else f" | {aggregate.samples_per_second:.1f} samples/s"
             logger.info(
                 f"global step {aggregate.step}: loss {aggregate.loss:.4f} | {aggregate.peers} peers | "
-                f"{aggregate.samples} samples{accuracy}"
+                f"{aggregate.samples} samples{rate}{accuracy}"
             )
         if ready:
             self.leaderboard.write()

@@ -12,6 +12,7 @@ import hivemind
 import torch
 from hivemind.utils.auth import AuthorizerBase
 
+from common import startup
 from common.backends import (
     CollaborativeBackend,
     SingleProcessBackend,
@@ -65,6 +66,7 @@ def build_backend(
     except BaseException:
         dht.shutdown()
         raise
+    startup.mark("optimizer")
     backend = CollaborativeBackend(
         dht,
         optimizer,
@@ -77,7 +79,9 @@ def build_backend(
     )
     try:
         backend.catch_up()
+        startup.mark("state download")
         backend.wait_for_swarm(stop.is_set)
+        startup.mark("start barrier")
     except BaseException:
         backend.shutdown()
         raise
@@ -112,6 +116,8 @@ def run_trainer(
     device = device_for(config)
     precision = resolve_precision(config.training.precision, device, config.debug.fp16_on_cpu)
     task = task_module.build_task(config)
+    startup.mark("task: model and data")
+    startup.write_to(output_dir)
     task.model.to(device)  # before the backend: optimizers, accumulators and hivemind's copies live beside it
     backend = build_backend(config, task, peer_name, output_dir, config_path, stop, authorizer, precision)
     checkpoint_dir = output_dir / CHECKPOINT_DIR
@@ -119,7 +125,9 @@ def run_trainer(
     resumed_step = (
         resume_from_checkpoint(backend, checkpoint_dir) if baseline and config.training.checkpoint_every_steps else 0
     )
-    stream_key = peer_name
+    # Each peer's data order derives from its identity (its peer id; hivemind's own example seeds by public key),
+    # so volunteers who all run the same printed command, or share a name, never train on the same batches.
+    stream_key = str(backend.dht.peer_id) if isinstance(backend, CollaborativeBackend) else peer_name
     if backend.worker_label is not None:  # one folder and data stream per DDP worker
         peer_name, output_dir = f"{peer_name}-{backend.worker_label}", output_dir / backend.worker_label
         stream_key = peer_name

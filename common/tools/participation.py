@@ -502,9 +502,9 @@ class LeaderboardRow:
 def leaderboard(history_records: Sequence[Mapping], peer_sessions: Sequence[PeerSession]) -> List[LeaderboardRow]:
     """Per participant: time online, samples contributed, global steps participated in (most hours first).
 
-    ``history_records`` are the monitor's ``history.jsonl`` lines (``step`` and ``contributions`` {peer:
-    samples}). A peer seen in the history but in no session is listed under its own name with no time online,
-    so the samples column always sums to the swarm's total.
+    ``history_records`` are the monitor's ``history.jsonl`` lines (``step``, ``contributions`` {peer id:
+    samples} and ``names`` {peer id: the name it was started with}). A peer seen in the history but in no session
+    is listed under its own name with no time online, so the samples column always sums to the swarm's total.
     """
     participant_of = {session.peer_name: session.participant for session in peer_sessions}
     hours: Dict[str, float] = {}
@@ -517,8 +517,10 @@ def leaderboard(history_records: Sequence[Mapping], peer_sessions: Sequence[Peer
     samples: Dict[str, int] = {}
     steps: Dict[str, set] = {}
     for record in history_records:
+        names = record.get("names", {})
         for peer, contributed in record.get("contributions", {}).items():
-            participant = participant_of.get(peer, peer)
+            name = names.get(peer, peer)
+            participant = participant_of.get(name, name)
             samples[participant] = samples.get(participant, 0) + int(contributed)
             if contributed > 0:
                 steps.setdefault(participant, set()).add(int(record["step"]))

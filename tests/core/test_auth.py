@@ -28,6 +28,7 @@ from common.auth import (
     save_allowlist,
     verify_password,
 )
+from common.identity import peer_id_of, peer_id_of_record_owner
 from common.metrics import PeerMetrics, StepAggregator, StepRecord, make_validators, metrics_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,7 +181,8 @@ def test_forged_or_malformed_metrics_records_are_refused_and_not_counted():
     for record in accepted:
         value = MSGPackSerializer.loads(node_validator.strip_value(record))
         for step in PeerMetrics.parse_obj(value).recent:
-            aggregator.add(value["peer_name"], step)
-    aggregator.add("nan-peer", StepRecord(step=3, samples=16, loss=float("nan"), seconds=1.0, time=1.0))
+            aggregator.add(peer_id_of_record_owner(record.subkey), value["peer_name"], step)
+    aggregator.add("nan-peer-id", "nan-peer", StepRecord(step=3, samples=16, loss=float("nan"), seconds=1.0, time=1.0))
     (aggregate,) = aggregator.pop_ready(flush=True)
-    assert aggregate.contributions == {"alice": 16} and aggregate.loss == 7.5
+    alice = peer_id_of(honest_key.get_public_key())  # counted under the signer's peer id, shown as its name
+    assert aggregate.contributions == {alice: 16} and aggregate.names == {alice: "alice"} and aggregate.loss == 7.5

@@ -70,7 +70,7 @@ def test_short_replay_keeps_training_through_leaves_crashes_and_late_joins(tmp_p
     assert any(entry["time"] > ended["bob"] for entry in own_steps["alice"]), "training stopped after the crash"
     alice_last = max(entry["step"] for entry in own_steps["alice"])
     after_leave = [e for e in history if e["step"] > alice_last]
-    assert after_leave and all(list(e["contributions"]) == [name_of["carol"]] for e in after_leave), (
+    assert after_leave and all(list(e["names"].values()) == [name_of["carol"]] for e in after_leave), (
         "training stopped (or the departed peers still counted) after the graceful leave"
     )
 
