@@ -79,10 +79,12 @@ def read_step_logs(paths: List[Path]) -> List[dict]:
 def replay_single_process(config: RunConfig, records: List[dict], steps: int) -> Dict[str, torch.Tensor]:
     """Train ``steps`` global steps; step s uses the union of every worker's micro-batches logged for s."""
     from albert.task import build_task
+    from common.precision import autocast, resolve_precision
 
+    precision = resolve_precision(config.training.precision, torch.device("cpu"), config.debug.fp16_on_cpu)
     torch.manual_seed(config.training.seed)
     task = build_task(config)
-    backend = SingleProcessBackend(task, target_batch_size=config.collaboration.target_batch_size)
+    backend = SingleProcessBackend(task, config.collaboration.target_batch_size, precision=precision)
     for step in range(steps):
         micro_batches = [batch for record in records if record["step"] == step for batch in record["micro_batches"]]
         total = sum(len(batch["ids"]) for batch in micro_batches)
@@ -92,8 +94,9 @@ def replay_single_process(config: RunConfig, records: List[dict], steps: int) ->
         backend.target_batch_size = total
         finished = None
         for micro_batch in micro_batches:
-            output = task.forward(task.model, task.dataset.batch(micro_batch["ids"], micro_batch["pass"]))
-            output.loss.backward()
+            with autocast(torch.device("cpu"), precision):  # the run's precision (fp16: with its loss scaler)
+                output = task.forward(task.model, task.dataset.batch(micro_batch["ids"], micro_batch["pass"]))
+            backend.backward(output.loss)
             finished = backend.step(output.batch_size)
             backend.zero_grad()
         assert finished == step

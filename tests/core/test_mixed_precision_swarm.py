@@ -1,0 +1,144 @@
+"""fp16 with dynamic loss scaling across processes, on CPU (debug.fp16_on_cpu: the same autocast and scaler code a
+GPU run takes): a 2-peer sync swarm with hivemind.GradScaler, and a 2-worker DDP run killed and resumed from its
+checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from common.config import load_config
+from common.swarm import LocalSwarm
+from tests.core.test_swarm import degraded_rounds
+from tests.helpers import (
+    PYTHON,
+    ROOT,
+    TINY_ALBERT,
+    assert_no_processes_left,
+    free_port,
+    max_difference,
+    read_jsonl,
+    read_step_logs,
+    replay_single_process,
+)
+
+FP16_ON_CPU = ["training.precision=fp16", "debug.fp16_on_cpu=true"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fp16_sync_swarm_with_an_overflow_equals_single_process_and_every_peer_skips_it(tmp_path, tiny_overrides):
+    steps, target = 3, 512
+    overrides = [
+        *tiny_overrides,
+        *FP16_ON_CPU,
+        "debug.inject_overflow_at_step=1",  # both peers: their first micro-batch of step 1 overflows
+        f"training.max_global_steps={steps}",
+        f"collaboration.target_batch_size={target}",
+        "collaboration.expected_peers=2",
+        "collaboration.compression=none",
+        "collaboration.semantics=sync",
+        "training.local_batch_size=16",
+        "debug.record_sample_ids=true",
+        "task.warmup_steps=1",
+        "task.classifier_dropout_prob=0.0",
+        "collaboration.matchmaking_time=4.0",
+        "collaboration.averaging_timeout=60",
+    ]
+    trainers = ["trainer0", "trainer1"]
+    with LocalSwarm(TINY_ALBERT, tmp_path, overrides) as swarm:
+        swarm.start_first_peer("trainer", "trainer0")
+        swarm.start("trainer", "trainer1")
+        assert swarm.wait(trainers, timeout=400), "trainers did not finish in time"
+        assert all(swarm.peers[name].process.returncode == 0 for name in trainers), [
+            swarm.peers[name].log_tail() for name in trainers
+        ]
+    assert_no_processes_left(tmp_path)
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in trainers]
+    # every peer discarded its overflowing micro-batch of step 1 and halved its scale: the scales stay equal
+    assert [(summary["overflow_discards"], summary["loss_scale"]) for summary in summaries] == [(1, 2.0**15)] * 2
+    for name in trainers:
+        assert "fp16 overflow at global step 1" in (tmp_path / name / "peer.log").read_text()
+
+    # the step logs hold only the micro-batches that reached a step: one process on exactly those, with the same
+    # fp16 autocast and loss scaler, gives the same parameters (float32 sums in another order: ~1e-7)
+    records = read_step_logs([tmp_path / name / "steps.jsonl" for name in trainers])
+    reference = replay_single_process(
+        load_config(TINY_ALBERT, [*overrides, "training.backend=single"]), records, steps
+    )
+    differences = [max_difference(torch.load(tmp_path / name / "final_model.pt"), reference) for name in trainers]
+    assert max(differences) < 1e-5, (differences, degraded_rounds([tmp_path / name for name in trainers]))
+
+
+def torchrun(output_dir, overrides, **popen_options) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "scripts/train.py",
+            "--config",
+            TINY_ALBERT,
+            *overrides,
+            f"training.output_dir={output_dir}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        **popen_options,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ddp_killed_mid_run_resumes_from_its_newest_checkpoint(tmp_path, tiny_overrides):
+    steps = 16
+    overrides = [
+        *tiny_overrides,
+        *FP16_ON_CPU,
+        "training.backend=ddp",
+        f"training.max_global_steps={steps}",
+        "training.checkpoint_every_steps=3",
+        "training.keep_checkpoints=2",
+        "collaboration.target_batch_size=64",
+        "training.local_batch_size=16",
+        "task.classifier_dropout_prob=0.0",
+    ]
+    checkpoints = tmp_path / "checkpoints"
+    first = torchrun(tmp_path, overrides, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (checkpoints / "step_0000003.pt.sha256").exists():
+            assert first.poll() is None, f"the run ended before its first checkpoint: {first.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # torchrun and both workers, as a lost machine would
+        first.wait()
+    killed_at = max(record["step"] for record in read_jsonl(tmp_path / "history.jsonl")) + 1
+    assert killed_at < steps, "the first run was not killed mid-run"
+
+    second = torchrun(tmp_path, overrides)
+    output, _ = second.communicate(timeout=400)
+    assert second.returncode == 0, output[-3000:]
+    resumed = [int(line.rsplit("global step", 1)[1]) for line in output.splitlines() if "resumed from" in line]
+    assert resumed and resumed[0] >= 3 and resumed[0] % 3 == 0 and resumed[0] <= killed_at, (resumed, killed_at)
+    history = [record["step"] for record in read_jsonl(tmp_path / "history.jsonl")]
+    assert history[-(steps - resumed[0]) :] == list(range(resumed[0], steps))  # the step count continued
+    for rank in (0, 1):
+        summary = json.loads((tmp_path / f"worker{rank}" / "summary.json").read_text())
+        assert summary["global_steps"] == steps
+    final = [torch.load(tmp_path / f"worker{rank}" / "final_model.pt") for rank in (0, 1)]
+    assert max_difference(final[0], final[1]) == 0.0  # DDP workers hold one state
+    assert all(bool(torch.isfinite(value).all()) for value in final[0].values() if value.is_floating_point())
+    assert len(list(checkpoints.glob("step_*.pt"))) == 2  # keep_checkpoints
