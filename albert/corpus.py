@@ -83,7 +83,7 @@ def load_hub_or_local_text(dataset: str, dataset_config: Optional[str], split: s
         detail = " ".join(str(error).split())[:200]
         raise DataError(
             f"cannot load dataset {dataset!r} ({dataset_config}): {detail} -- the hub is unreachable "
-            f"here; download it elsewhere and pass its local path as task.dataset"
+            f"here; download it elsewhere and pass its local path as task.corpus"
         ) from None
     if "text" not in loaded.column_names:
         raise DataError(f"dataset {dataset!r} has no 'text' column (columns: {loaded.column_names})")

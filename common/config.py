@@ -42,6 +42,13 @@ class Backend(str, enum.Enum):
     ddp = "ddp"  # HPC baseline: torch DDP through accelerate
 
 
+CONFIG_KEYS_HELP = (
+    "Config keys: the sections network, collaboration, training, monitor and debug are listed with their "
+    "defaults in common/config.py; the task section in the experiment's task.py (TaskConfig), e.g. "
+    "albert/task.py. Override any key as key=value, e.g. training.max_global_steps=20."
+)
+
+
 def require(condition: bool, message: str) -> None:
     """Config validation in ``__post_init__``: the message names the key (omegaconf reports it in one line)."""
     if not condition:

@@ -16,7 +16,7 @@ from hivemind.utils.auth import AuthorizerBase
 
 from common import startup
 from common.bandwidth import bandwidth_for_averager, measure_link_to_initial_peer, serve_bandwidth_probe
-from common.config import Backend, RunConfig, load_config, to_container, to_yaml
+from common.config import CONFIG_KEYS_HELP, Backend, RunConfig, load_config, to_container, to_yaml
 from common.dht import join_command, start_dht, visible_multiaddrs
 from common.hivemind_compat import sign_with_identity_key
 from common.identity import IDENTITY_FILE, PeerIdentity, load_identity
@@ -28,11 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ADDRESS_FILE = "initial_peers.txt"  # a peer's multiaddrs, one per line, for launchers and volunteers
 RESOLVED_CONFIG_FILE = "config.yaml"  # the config this peer runs with, every default and override resolved
 JOIN_COMMAND_FILE = "join_command.txt"  # the command a volunteer pastes, as logged
-CONFIG_KEYS_HELP = (
-    "Config keys: the sections network, collaboration, training, monitor and debug are listed with their "
-    "defaults in common/config.py; the task section in the experiment's task.py (TaskConfig), e.g. "
-    "albert/task.py. Override any key as key=value, e.g. training.max_global_steps=20."
-)
 # what volunteers must share with the organiser: everything that defines the run rather than one peer's machine
 RUN_WIDE_SECTIONS = ("task", "collaboration")
 PER_PEER_COLLABORATION_KEYS = ("bandwidth", "measure_bandwidth", "bandwidth_probe_seconds")

@@ -18,7 +18,7 @@ import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 
 from albert.export import push_to_hub
-from common.config import import_task_module, load_config
+from common.config import CONFIG_KEYS_HELP, import_task_module, load_config
 from common.errors import DataError, exit_on_user_error
 from common.lifecycle import setup_logging
 from common.task import ExportFacts
@@ -37,7 +37,7 @@ def last_history_entry(run_folder: Path) -> dict:
 
 @exit_on_user_error
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False, epilog=CONFIG_KEYS_HELP)
     parser.add_argument("--config", required=True, help="the run's config (model shape, tokenizer cache)")
     parser.add_argument("--checkpoint", required=True, help="step_N.pt of the monitor or final_model.pt")
     parser.add_argument("--output", required=True, help="the folder to write")

@@ -32,7 +32,7 @@ from albert.sahajbert.downstream import (
     summarise,
 )
 from albert.task import build_dataset, build_model
-from common.config import load_config
+from common.config import CONFIG_KEYS_HELP, load_config
 from common.errors import ConfigError, DataError, exit_on_user_error
 from common.lifecycle import setup_logging
 
@@ -52,7 +52,7 @@ def load_published_model(name: str):
 
 @exit_on_user_error
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False, epilog=CONFIG_KEYS_HELP)
     parser.add_argument("--task", required=True, choices=sorted({*TOKEN_TASKS, *SEQUENCE_TASKS}))
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="the pretraining run's config (model shape, tokenizer)")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
-from common.config import load_config
+from common.config import CONFIG_KEYS_HELP, load_config
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.metrics import HistoryWriter
@@ -25,7 +25,9 @@ logger = logging.getLogger("local_swarm")
 
 
 def parse_arguments():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
+    )
     parser.add_argument("--config", required=True)
     parser.add_argument("--trainers", type=int, default=3)
     parser.add_argument("--aux", type=int, default=1, help="auxiliary peers")

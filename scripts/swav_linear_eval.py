@@ -15,7 +15,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 
-from common.config import load_config
+from common.config import CONFIG_KEYS_HELP, load_config
 from common.errors import ConfigError, exit_on_user_error
 from common.lifecycle import setup_logging
 from swav.linear_eval import evaluate, large_crop_size, load_model
@@ -36,7 +36,9 @@ CSV_FIELDS = [
 
 
 def parse_arguments():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
+    )
     parser.add_argument("--config", required=True)
     parser.add_argument("--state", default=None, help="a trainer's final_model.pt (default: random init)")
     parser.add_argument("--label", default=None, help="row label in the CSV (default: the state path or random_init)")

@@ -14,7 +14,7 @@ import _bootstrap  # noqa: F401  (repository root on sys.path)
 
 from albert.sahajbert.data import BENGALI_STREAM, tokenizer_training_texts
 from albert.sahajbert.tokenizer import train_bengali_tokenizer
-from common.config import load_config
+from common.config import CONFIG_KEYS_HELP, load_config
 from common.errors import ConfigError, exit_on_user_error
 from common.lifecycle import setup_logging
 
@@ -23,7 +23,7 @@ logger = logging.getLogger("train_sahajbert_tokenizer")
 
 @exit_on_user_error
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False, epilog=CONFIG_KEYS_HELP)
     parser.add_argument("--config", required=True, help="a config with task.corpus: bengali_stream")
     parser.add_argument("--output", required=True, help="folder for the tokenizer files")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. task.vocab_size=8000")

@@ -23,7 +23,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 
-from common.config import load_config
+from common.config import CONFIG_KEYS_HELP, load_config
 from common.errors import ConfigError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.swarm import ROOT
@@ -65,7 +65,9 @@ REDUCED_OVERRIDES = [
 
 
 def parse_arguments():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
+    )
     parser.add_argument("--config", default="configs/albert/tiny.yaml")
     parser.add_argument("--workers", type=int, default=2, help="DDP workers = collaborative trainers")
     parser.add_argument("--reduced", action="store_true", help="few steps on a small corpus (CI)")

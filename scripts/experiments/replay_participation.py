@@ -18,7 +18,7 @@ from typing import List
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
-from common.config import load_config
+from common.config import CONFIG_KEYS_HELP, load_config
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.swarm import LocalSwarm
@@ -39,7 +39,9 @@ REPLAY_OVERRIDES = [
 
 
 def parse_arguments():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
+    )
     parser.add_argument("--config", default=str(ROOT / "configs/albert/tiny.yaml"))
     parser.add_argument(
         "--trace",
