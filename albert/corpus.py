@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import importlib.util
 import json
 import logging
@@ -66,28 +67,70 @@ def load_hub_or_local_text(dataset: str, dataset_config: Optional[str], split: s
     path = Path(dataset)
     if dataset.startswith((".", "/", "~")) and not path.exists():
         raise DataError(f"data path not found: {dataset}")
-    try:
-        if path.exists():
-            files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
-            kinds = {p.suffix for p in files}
-            builder = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-            usable = [p for p in files if p.suffix in builder]
-            if not usable:
-                raise DataError(f"no .txt/.json/.jsonl/.parquet files under {path} (found {sorted(kinds)})")
-            loaded = datasets.load_dataset(builder[usable[0].suffix], data_files=[str(p) for p in usable], split=split)
-        else:
+    if path.exists():
+        loaded = _load_local_text(path, split)
+    else:
+        try:
             loaded = datasets.load_dataset(dataset, dataset_config, split=split)
-    except DataError:
-        raise
-    except Exception as error:  # hub/network errors come in many types
-        detail = " ".join(str(error).split())[:200]
-        raise DataError(
-            f"cannot load dataset {dataset!r} ({dataset_config}): {detail} -- the hub is unreachable "
-            f"here; download it elsewhere and pass its local path as task.corpus"
-        ) from None
+        except Exception as error:  # hub/network errors come in many types
+            detail = " ".join(str(error).split())[:200]
+            raise DataError(
+                f"cannot load dataset {dataset!r} ({dataset_config}): {detail} -- the hub is unreachable "
+                f"here; download it elsewhere and pass its local path as task.corpus"
+            ) from None
     if "text" not in loaded.column_names:
         raise DataError(f"dataset {dataset!r} has no 'text' column (columns: {loaded.column_names})")
     return list(loaded["text"])
+
+
+LOCAL_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def _load_local_text(path: Path, split: str):
+    """A local file or folder through the ``datasets`` builder for its suffix; its failures name the bad file."""
+    import datasets
+
+    files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+    usable = [p for p in files if p.suffix in LOCAL_BUILDERS]
+    if not usable:
+        raise DataError(
+            f"no .txt/.json/.jsonl/.parquet files under {path} (found {sorted({p.suffix for p in files})})"
+        )
+    empty = [p for p in usable if p.stat().st_size == 0]
+    if empty:
+        raise DataError(f"data file {empty[0]} is empty")
+    try:
+        return datasets.load_dataset(
+            LOCAL_BUILDERS[usable[0].suffix], data_files=[str(p) for p in usable], split=split
+        )
+    except Exception as error:  # the builders raise many types, often wrapping the real cause
+        raise DataError(_local_file_problem(usable) or f"cannot read {path}: {_root_cause(error)}") from None
+
+
+def _local_file_problem(files: List[Path]) -> Optional[str]:
+    """The first text file that is not UTF-8 (what the text and json builders need), said plainly."""
+    for path in files:
+        if path.suffix == ".parquet":
+            continue
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        with path.open("rb") as stream:
+            try:
+                for block in iter(lambda: stream.read(1 << 20), b""):
+                    decoder.decode(block)
+                    offset += len(block)
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError as error:
+                return (
+                    f"data file {path} is not UTF-8 text (invalid byte near offset {offset + error.start}): "
+                    f"convert it first, e.g. with iconv -t UTF-8"
+                )
+    return None
+
+
+def _root_cause(error: BaseException) -> str:
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return " ".join(f"{type(error).__name__}: {error}".split())[:200]
 
 
 def load_documents(corpus: str, dataset_config: Optional[str], max_documents: Optional[int]) -> List[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from common.errors import ConfigError
@@ -53,6 +53,13 @@ def require(condition: bool, message: str) -> None:
     """Config validation in ``__post_init__``: the message names the key (omegaconf reports it in one line)."""
     if not condition:
         raise ValueError(message)
+
+
+def require_directory_path(value: str, key: str) -> None:
+    """An output folder must be creatable: no existing file may sit at it or at any folder above it."""
+    for candidate in (Path(value), *Path(value).parents):
+        if candidate.exists() and not candidate.is_dir():
+            raise ValueError(f"{key} must be a folder, but {candidate} is a file (got {value!r})")
 
 
 @dataclass
@@ -149,6 +156,7 @@ class TrainingConfig:
         require(self.checkpoint_every_steps >= 0, "training.checkpoint_every_steps must be >= 0")
         require(self.keep_checkpoints >= 1, "training.keep_checkpoints must be >= 1")
         require(self.log_every_seconds > 0, "training.log_every_seconds must be > 0")
+        require_directory_path(self.output_dir, "training.output_dir")
 
 
 @dataclass
@@ -180,6 +188,8 @@ class MonitorConfig:
         require(self.refresh_seconds > 0, "monitor.refresh_seconds must be > 0")
         require(self.checkpoint_every_steps >= 0, "monitor.checkpoint_every_steps must be >= 0")
         require(self.keep_checkpoints >= 1, "monitor.keep_checkpoints must be >= 1")
+        if self.checkpoint_dir is not None:
+            require_directory_path(self.checkpoint_dir, "monitor.checkpoint_dir")
         require(
             self.wandb_mode in ("offline", "online", "disabled"),
             f"monitor.wandb_mode must be offline, online or disabled (got {self.wandb_mode!r})",
@@ -231,6 +241,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
         raw = OmegaConf.load(path)
     except Exception as error:  # yaml errors come in many types
         raise ConfigError(f"cannot parse config file {path}: {_one_line(error)}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping of sections (task_module:, task:, ...), not a list")
     for override in overrides:
         if "=" not in override:
             raise ConfigError(f"override {override!r} is not of the form key=value")

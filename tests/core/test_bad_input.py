@@ -46,3 +46,37 @@ def test_unreachable_initial_peer_is_one_line_error():
     assert result.returncode == 2, result.stderr[-1500:]
     assert "Traceback" not in result.stderr
     assert any(line.startswith("error:") and "initial peer" in line for line in result.stderr.splitlines())
+
+
+def _write_bad_inputs(folder) -> dict:
+    """Files a user might hand over by mistake: a YAML list, a file where a folder belongs, broken corpora."""
+    paths = {
+        name: folder / f"{name}.{suffix}"
+        for name, suffix in (("list", "yaml"), ("a_file", "txt"), ("empty", "txt"), ("latin1", "txt"))
+    }
+    paths["list"].write_text("- task_module: albert\n- training: {}\n")
+    paths["a_file"].write_text("not a folder\n")
+    paths["empty"].write_bytes(b"")
+    paths["latin1"].write_bytes("Un caf\u00e9 cr\u00e8me, s'il vous pla\u00eet.\n".encode("latin-1"))
+    return paths
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "script, config, arguments, fragment",
+    [
+        ("scripts/train.py", "list", [], "must hold a mapping of sections"),
+        ("scripts/train.py", None, ["training.output_dir={a_file}"], "training.output_dir must be a folder"),
+        ("scripts/train.py", None, ["training.output_dir={a_file}/run"], "training.output_dir must be a folder"),
+        ("scripts/monitor.py", None, ["monitor.checkpoint_dir={a_file}"], "monitor.checkpoint_dir must be a folder"),
+        ("scripts/train.py", None, ["task.corpus={empty}"], "is empty"),
+        ("scripts/train.py", None, ["task.corpus={latin1}"], "is not UTF-8 text"),
+    ],
+)
+def test_bad_files_are_one_line_errors(tmp_path, script, config, arguments, fragment):
+    paths = _write_bad_inputs(tmp_path)
+    config_path = str(paths[config]) if config else TINY
+    arguments = [argument.format(**paths) for argument in arguments]
+    result = run_script(script, "--config", config_path, "task.max_documents=500", *arguments, timeout=240)
+    assert_one_line_error(result, fragment)
+    assert "hub is unreachable" not in result.stderr  # a local file's problem is never blamed on the network
