@@ -9,13 +9,16 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Sequence, Tuple
 
 import torch
-from nltk.tokenize.punkt import PunktSentenceTokenizer, PunktTrainer
+from tqdm import tqdm
 
 from common.seeding import stable_seed
 from common.task import SAMPLE_IDS, Batch
+
+if TYPE_CHECKING:
+    from nltk.tokenize.punkt import PunktSentenceTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +27,9 @@ PUNKT_TRAINING_CHARS = 400_000  # enough text for Punkt to learn abbreviations, 
 
 def train_sentence_splitter(documents: Sequence[str]) -> PunktSentenceTokenizer:
     """NLTK's unsupervised Punkt model trained on the corpus itself (no model download needed)."""
+    # imported here: nltk takes ~1.5 s to import and only building examples (a cache miss) needs it
+    from nltk.tokenize.punkt import PunktSentenceTokenizer, PunktTrainer
+
     trainer = PunktTrainer()
     sample, size = [], 0
     for document in documents:
@@ -95,7 +101,8 @@ def build_examples(
     ids = special_ids(tokenizer)
     rng = random.Random(seed)
     examples: List[dict] = []
-    for document in documents:
+    # minutes for a large corpus, once (the result is cached): a progress bar when run in a terminal
+    for document in tqdm(documents, desc="building examples", unit="doc", disable=None):
         sentences = [sentence for sentence in splitter.tokenize(document) if sentence.strip()]
         if len(sentences) < 2:
             continue

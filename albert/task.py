@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
-from timm.optim import Lamb
 from transformers import AlbertConfig, AlbertForPreTraining, PreTrainedTokenizerFast, get_linear_schedule_with_warmup
 
 from albert.corpus import OFFLINE_WIKIPEDIA, load_documents
@@ -23,6 +22,7 @@ from common.hivemind_compat import prefill_optimizer_state
 from common.pipeline import PlannedBatches
 from common.seeding import stable_seed
 from common.task import Batch, ExportFacts, StepOutput, Task
+from common.timm_optim import timm_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class AlbertTask(Task):
         # timm's LAMB with always_adapt=True applies the trust ratio to every tensor like torch_optimizer.Lamb;
         # max_grad_norm clips the *averaged* gradient of the global batch (it runs inside the optimizer step).
         # Difference from the paper's torch_optimizer.Lamb: no clamp of the weight norm at 1e4 (README).
-        optimizer = Lamb(
+        optimizer = timm_optimizer("lamb", "Lamb")(
             params,
             lr=self.config.learning_rate,
             betas=tuple(self.config.betas),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -35,8 +36,9 @@ def train_unigram(
 ) -> PreTrainedTokenizerFast:
     """Train a configured Unigram ``tokenizer`` (normaliser, pre-tokenizer, decoder set) with ALBERT's special
     tokens and ``[CLS] A [SEP] B [SEP]`` pairs; return it as a transformers tokenizer."""
+    # the Rust trainer's own progress bar, when someone watches a terminal (not in peer logs)
     trainer = trainers.UnigramTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, unk_token="<unk>", show_progress=False
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, unk_token="<unk>", show_progress=sys.stderr.isatty()
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
