@@ -183,9 +183,19 @@ class MonitorConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "dedloc"
     metrics_expiration: float = 600.0  # seconds a metrics record lives in the DHT
+    # the live page (common.dashboard): progress, peers, contributors and the join command, read-only; it listens
+    # on this machine only unless dashboard_host says otherwise (e.g. 0.0.0.0 to let volunteers open it)
+    dashboard: bool = False
+    dashboard_host: str = "127.0.0.1"
+    dashboard_port: int = 8765  # 0: any free port (the monitor logs the URL and writes it to dashboard_url.txt)
 
     def __post_init__(self) -> None:
         require(self.refresh_seconds > 0, "monitor.refresh_seconds must be > 0")
+        require(bool(self.dashboard_host.strip()), "monitor.dashboard_host must name an address (e.g. 127.0.0.1)")
+        require(
+            0 <= self.dashboard_port <= 65535,
+            f"monitor.dashboard_port must be 0..65535 (got {self.dashboard_port})",
+        )
         require(self.checkpoint_every_steps >= 0, "monitor.checkpoint_every_steps must be >= 0")
         require(self.keep_checkpoints >= 1, "monitor.keep_checkpoints must be >= 1")
         if self.checkpoint_dir is not None:

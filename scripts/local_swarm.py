@@ -15,6 +15,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
 from common.config import CONFIG_KEYS_HELP, load_config
+from common.dashboard import URL_FILE as DASHBOARD_URL_FILE
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.metrics import HistoryWriter
@@ -68,7 +69,9 @@ def main() -> None:
         monitor_name = "monitor"
         trainer_names = [f"trainer{index}" for index in range(args.trainers)]
         aux_names = [f"aux{index}" for index in range(args.aux)]
-    overrides = [*args.overrides, f"collaboration.expected_peers={len(trainer_names)}"]
+    # the demo's live page: on, on any free port (the URL is printed); the user's own overrides still win
+    page = ["monitor.dashboard=true", "monitor.dashboard_port=0"] if network is None else []
+    overrides = [*page, *args.overrides, f"collaboration.expected_peers={len(trainer_names)}"]
     started = time.time()
     max_steps = config.training.max_global_steps
 
@@ -99,6 +102,9 @@ def main() -> None:
         )
         swarm.start_first_peer("monitor", monitor_name)
         logger.info(f"monitor is up at {swarm.initial_peers[0]}")
+        page_url = output / monitor_name / DASHBOARD_URL_FILE
+        if page_url.exists():
+            logger.info(f"live page of the run (open it in a browser): {page_url.read_text().strip()}")
         for name in aux_names:
             swarm.start("auxiliary", name)
         for name in trainer_names:

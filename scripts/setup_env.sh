@@ -23,8 +23,9 @@ if [ "$(cat "$VENV/.requirements.sha256" 2>/dev/null)" != "$wanted" ]; then
   echo "$wanted" > "$VENV/.requirements.sha256"
 fi
 
-# Debian packages that carry real data: Fashion-MNIST (SwAV) and Bengali word lists (sahajBERT).
-debian_packages=(dataset-fashion-mnist hunspell-bn nftables iproute2)
+# Debian packages that carry real data: Fashion-MNIST (SwAV) and Bengali word lists (sahajBERT); a headless
+# browser (chromium) that the dashboard's test opens the monitor's live page in.
+debian_packages=(dataset-fashion-mnist hunspell-bn nftables iproute2 chromium)
 missing=()
 for package in "${debian_packages[@]}"; do
   dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
@@ -33,7 +34,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     log "installing Debian data packages: ${missing[*]}"
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null \
-      || log "warning: could not install ${missing[*]} (SwAV / sahajBERT data will be reported missing)"
+      || log "warning: could not install ${missing[*]} (SwAV / sahajBERT data will be reported missing, the browser test skipped)"
   else
     log "warning: ${missing[*]} not installed and apt-get is not usable as this user (run: sudo apt-get install ${missing[*]})"
   fi

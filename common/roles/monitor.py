@@ -15,10 +15,11 @@ from hivemind.utils.auth import AuthorizerBase
 
 from common.checkpoints import load_latest_checkpoint, save_checkpoint
 from common.config import RunConfig, import_task_module, to_container
+from common.dashboard import start_dashboard
 from common.identity import peer_id_of_record_owner
 from common.lifecycle import StopFlag
 from common.metrics import HistoryWriter, PeerMetrics, StepAggregate, StepAggregator, metrics_key
-from common.peer import start_peer_dht
+from common.peer import read_join_command, start_peer_dht
 from common.task import EXPORT_DIR, ExportFacts
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,10 @@ class Monitor:
             self.aggregator.last_step_time = resumed[-1]["time"]
             logger.info(f"resuming history: {len(resumed)} steps already recorded (last step {resumed[-1]['step']})")
         self.leaderboard = Leaderboard(self.output_dir / "leaderboard.json", resumed)
+        self.dashboard = start_dashboard(config, self.output_dir, resumed, self.checkpoint_dir)
         self.dht = start_peer_dht(config, self.output_dir, "scripts/train.py", config_path, authorizer)
+        if self.dashboard is not None:
+            self.dashboard.state.join_command = read_join_command(self.output_dir)
         task_module = import_task_module(config.task_module)
         torch.manual_seed(config.training.seed)
         self.task = task_module.build_task(config, with_data=False)
@@ -150,6 +154,8 @@ class Monitor:
                     continue
                 if peer.role != "trainer" or peer_id is None:
                     continue
+                if self.dashboard is not None and peer.recent:
+                    self.dashboard.saw_peer(peer_id, peer.peer_name, max(record.time for record in peer.recent))
                 for record in peer.recent:
                     self.aggregator.add(peer_id, peer.peer_name, record)
 
@@ -170,6 +176,10 @@ class Monitor:
             )
         if ready:
             self.leaderboard.write()
+        if self.dashboard is not None:
+            for aggregate in ready:
+                self.dashboard.state.add_step(aggregate.to_json())
+            self.dashboard.publish(self.leaderboard.rows.values())
 
     def maybe_checkpoint(self) -> None:
         every = self.config.monitor.checkpoint_every_steps
@@ -195,6 +205,8 @@ class Monitor:
         self.state_averager.state_sharing_priority = step
         self.last_checkpoint_step = step
         logger.info(f"saved checkpoint {path} at global step {step}")
+        if self.dashboard is not None:
+            self.dashboard.checkpoint_saved(step, path)
         self.export(step)
 
     def export(self, step: int) -> None:
@@ -228,6 +240,8 @@ class Monitor:
             self.shutdown()
 
     def shutdown(self) -> None:
+        if self.dashboard is not None:
+            self.dashboard.stop()
         self.metrics.finish()
         if self.state_averager is not None:
             self.state_averager.shutdown()
