@@ -213,6 +213,8 @@ class Trainer:
             batch_ids = None
             if self.record_sample_ids and sample_ids is not None:
                 batch_ids = {"ids": sample_ids.tolist(), "pass": int(batch.get("pass_index", torch.tensor(0)))}
+                if self.backend.loss_scale is not None:  # fp16: the scale this micro-batch's backward ran with
+                    batch_ids["loss_scale"] = self.backend.loss_scale
             accumulator.add(loss_value, output.batch_size, output.metrics, batch_ids)
             discards_before = (self.backend.state_reloads, self.backend.overflow_discards)
             finished = self.backend.step(output.batch_size)

@@ -77,14 +77,34 @@ def read_step_logs(paths: List[Path]) -> List[dict]:
 
 
 def replay_single_process(config: RunConfig, records: List[dict], steps: int) -> Dict[str, torch.Tensor]:
-    """Train ``steps`` global steps; step s uses the union of every worker's micro-batches logged for s."""
+    """Train ``steps`` global steps; step s uses the union of every worker's micro-batches logged for s.
+
+    Under fp16 each micro-batch runs in the run's autocast and is backpropagated at the loss scale its peer logged
+    for it, then unscaled at once. That is a peer's arithmetic: it unscales what it accumulated with its own scale
+    before the peers average (hivemind.GradScaler), and powers of two scale exactly. (A GradScaler of the replay's
+    own would backpropagate at 2^16 throughout: the replay never sees the overflow after which the peers halved
+    theirs, and fp16 gradients near its smallest numbers round differently at another scale.)
+    """
+    threads = torch.get_num_threads()
+    # the run's intra-op threads (a peer sets training.num_threads): CPU kernels split their sums by thread, and
+    # under fp16 autocast every such sum is rounded to float16, so another thread count changes the gradients
+    # (measured: 1.5e-3 apart after one LAMB update, fp16, 1 vs 2 threads; 0 at equal counts)
+    torch.set_num_threads(config.training.num_threads)
+    try:
+        return _replay(config, records, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay(config: RunConfig, records: List[dict], steps: int) -> Dict[str, torch.Tensor]:
     from albert.task import build_task
     from common.precision import autocast, resolve_precision
 
-    precision = resolve_precision(config.training.precision, torch.device("cpu"), config.debug.fp16_on_cpu)
+    cpu = torch.device("cpu")
+    precision = resolve_precision(config.training.precision, cpu, config.debug.fp16_on_cpu)
     torch.manual_seed(config.training.seed)
     task = build_task(config)
-    backend = SingleProcessBackend(task, config.collaboration.target_batch_size, precision=precision)
+    backend = SingleProcessBackend(task, config.collaboration.target_batch_size)  # gradients arrive unscaled
     for step in range(steps):
         micro_batches = [batch for record in records if record["step"] == step for batch in record["micro_batches"]]
         total = sum(len(batch["ids"]) for batch in micro_batches)
@@ -94,9 +114,18 @@ def replay_single_process(config: RunConfig, records: List[dict], steps: int) ->
         backend.target_batch_size = total
         finished = None
         for micro_batch in micro_batches:
-            with autocast(torch.device("cpu"), precision):  # the run's precision (fp16: with its loss scaler)
+            with autocast(cpu, precision):
                 output = task.forward(task.model, task.dataset.batch(micro_batch["ids"], micro_batch["pass"]))
-            backend.backward(output.loss)
+            scale = micro_batch.get("loss_scale")
+            assert (scale is not None) == (precision == "fp16"), "fp16 runs log every micro-batch's loss scale"
+            if scale is None:
+                output.loss.backward()
+            else:
+                (output.loss * scale).backward()
+                for param in backend.params:
+                    if param.grad is not None:
+                        param.grad.div_(scale)
+                        assert bool(torch.isfinite(param.grad).all()), f"the replay overflowed at step {step}"
             finished = backend.step(output.batch_size)
             backend.zero_grad()
         assert finished == step
