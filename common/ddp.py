@@ -53,8 +53,12 @@ class DDPBackend(TrainingBackend):
         self.accumulation_steps = config.collaboration.target_batch_size // per_step
         self.task = task
         self.model = self.accelerator.prepare_model(task.model)
-        self.optimizer = self.accelerator.prepare_optimizer(task.make_optimizer(task.optimizer_param_groups()))
-        self.scheduler = task.make_scheduler(self.optimizer.optimizer)
+        optimizer = task.make_optimizer(task.optimizer_param_groups())
+        # the scheduler first: it wraps optimizer.step to check the call order, and accelerate's fp16 step swaps
+        # optimizer.step for the method it saw when preparing; prepared the other way round, the scheduler's
+        # wrapper is gone after the first step and torch warns that optimizer.step was overridden
+        self.scheduler = task.make_scheduler(optimizer)
+        self.optimizer = self.accelerator.prepare_optimizer(optimizer)
         self.micro_batches_done = 0
         self._global_step = 0
         self.history = HistoryWriter(Path(config.training.output_dir)) if self.rank == 0 else None
