@@ -40,6 +40,7 @@ class RoleArguments:
     config_path: str
     name: str
     auth_server: Optional[str] = None
+    auth_ca: Optional[str] = None  # the certificate to trust for the authorization server (self-signed ones)
     identity: Optional[PeerIdentity] = None  # None for a trainer that starts no DHT (single-process, DDP)
     name_given: bool = False  # False: ``name`` was derived from the peer id
 
@@ -50,7 +51,12 @@ def role_argument_parser(role: str, moderated: bool = False, volunteer: bool = F
     parser = argparse.ArgumentParser(description=f"DeDLOC {role} peer", allow_abbrev=False, epilog=CONFIG_KEYS_HELP)
     if moderated or volunteer:
         parser.add_argument(
-            "--auth-server", required=volunteer, default=None, help="URL of scripts/auth_server.py (moderated runs)"
+            "--auth-server", required=volunteer, default=None, help="https:// URL of scripts/auth_server.py"
+        )
+        parser.add_argument(
+            "--auth-ca",
+            default=None,
+            help="the authorization server's certificate file, if self-signed (default: this machine's trusted CAs)",
         )
     if volunteer:
         parser.add_argument(
@@ -102,6 +108,7 @@ def parse_role_arguments(
         config_path=args.config,
         name=name,
         auth_server=getattr(args, "auth_server", None),
+        auth_ca=getattr(args, "auth_ca", None),
         identity=identity,
         name_given=args.name is not None,
     )

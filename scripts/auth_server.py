@@ -1,11 +1,17 @@
-"""sahajBERT authorization server: an allowlist and signed, expiring access tokens for peers.
+"""sahajBERT authorization server: an allowlist and signed, expiring access tokens for peers, over HTTPS.
 
   python scripts/auth_server.py add-user --allowlist allowlist.json --username alice \
       [--access-expires 2026-12-31T00:00:00+00:00]
       (password from $DEDLOC_PASSWORD or a prompt; only its scrypt hash is stored)
-  python scripts/auth_server.py serve --allowlist allowlist.json [--host 127.0.0.1] [--port 8765] [--token-minutes 60]
+  python scripts/auth_server.py make-certificate --cert auth.crt --key auth.key --host 127.0.0.1 [--host NAME ...]
+      (a self-signed pair for a local demo, or for a run whose peers get auth.crt from the organiser)
+  python scripts/auth_server.py serve --allowlist allowlist.json --cert auth.crt --key auth.key \
+      [--signing-key token_signing.key] [--host 127.0.0.1] [--port 8765] [--token-minutes 60]
 
-The server's signing key lives in memory: after a restart peers simply fetch new tokens.
+Peers pass --auth-server https://HOST:PORT, plus --auth-ca auth.crt when the certificate is self-signed. The
+token-signing key lives in a file (created on first start), so a restart leaves issued tokens valid; the run secret
+that tags every averaging prefix derives from it. After 5 failed logins for a username (20 from an address) within
+5 minutes, further attempts are refused for the rest of that window.
 """
 
 import argparse
@@ -16,9 +22,18 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
-from hivemind.utils.crypto import RSAPrivateKey
 
-from common.auth import AllowlistEntry, AuthorizationService, AuthServer, hash_password, load_allowlist, save_allowlist
+from common.auth import (
+    AllowlistEntry,
+    AuthorizationService,
+    AuthServer,
+    TLSFiles,
+    hash_password,
+    load_allowlist,
+    load_or_create_signing_key,
+    make_self_signed_certificate,
+    save_allowlist,
+)
 from common.errors import ConfigError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 
@@ -43,17 +58,25 @@ def add_user(args: argparse.Namespace) -> None:
     logger.info(f"{args.username!r} is on the allowlist {path} ({len(entries)} users)")
 
 
+def make_certificate(args: argparse.Namespace) -> None:
+    make_self_signed_certificate(Path(args.cert), Path(args.key), args.host, days=args.days)
+    logger.info(f"wrote the self-signed certificate {args.cert} (for {', '.join(args.host)}) and its key {args.key}")
+
+
 def serve(args: argparse.Namespace) -> None:
     if args.token_minutes <= 0:
         raise ConfigError("--token-minutes must be > 0")
     stop = StopFlag().install()
+    signing_key = Path(args.signing_key or Path(args.allowlist).with_name("token_signing.key"))
     service = AuthorizationService(
-        load_allowlist(Path(args.allowlist)), RSAPrivateKey(), timedelta(minutes=args.token_minutes)
+        load_allowlist(Path(args.allowlist)),
+        load_or_create_signing_key(signing_key),
+        timedelta(minutes=args.token_minutes),
     )
-    server = AuthServer(service, args.host, args.port).start()
+    server = AuthServer(service, TLSFiles(Path(args.cert), Path(args.key)), args.host, args.port).start()
     logger.info(
-        f"authorization server for {len(service.allowlist)} users at {server.url} "
-        f"(volunteers pass --auth-server {server.url})"
+        f"authorization server for {len(service.allowlist)} users at {server.url}, signing with {signing_key} "
+        f"(peers pass --auth-server {server.url}, and --auth-ca {args.cert} if it is self-signed)"
     )
     try:
         while not stop.wait(1.0):
@@ -70,14 +93,26 @@ def main() -> None:
     add.add_argument("--allowlist", required=True)
     add.add_argument("--username", required=True)
     add.add_argument("--access-expires", default=None, help="ISO 8601 time after which the user gets no tokens")
-    run = commands.add_parser("serve", help="serve tokens over HTTP")
+    certificate = commands.add_parser("make-certificate", help="write a self-signed TLS certificate and its key")
+    certificate.add_argument("--cert", required=True, help="certificate file to write (PEM; give it to peers)")
+    certificate.add_argument("--key", required=True, help="private key file to write (PEM; keep it secret)")
+    certificate.add_argument(
+        "--host", action="append", required=True, help="a name or IP address peers use to reach the server"
+    )
+    certificate.add_argument("--days", type=int, default=365)
+    run = commands.add_parser("serve", help="serve tokens over HTTPS")
     run.add_argument("--allowlist", required=True)
+    run.add_argument("--cert", required=True, help="the server's TLS certificate (PEM)")
+    run.add_argument("--key", required=True, help="the server's TLS private key (PEM)")
+    run.add_argument(
+        "--signing-key", default=None, help="token-signing key file, created if absent (default: beside the allowlist)"
+    )
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--port", type=int, default=8765)
     run.add_argument("--token-minutes", type=float, default=60.0, help="lifetime of an access token")
     args = parser.parse_args()
     setup_logging("auth_server")
-    add_user(args) if args.command == "add-user" else serve(args)
+    {"add-user": add_user, "make-certificate": make_certificate, "serve": serve}[args.command](args)
 
 
 if __name__ == "__main__":

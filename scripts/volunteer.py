@@ -1,7 +1,7 @@
 """Join a sahajBERT-style authorized run as a volunteer trainer (client mode by default):
 
-  python scripts/volunteer.py --config configs/sahajbert/paper.yaml --auth-server http://HOST:PORT \
-      --initial-peers /ip4/.../p2p/... [--name NAME] [--server-mode] [key=value overrides]
+  python scripts/volunteer.py --config configs/sahajbert/paper.yaml --auth-server https://HOST:PORT \
+      [--auth-ca auth.crt] --initial-peers /ip4/.../p2p/... [--name NAME] [--server-mode] [key=value overrides]
 
 The monitor of a moderated run prints this command with its addresses filled in. Credentials come from
 $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt. Refusals (not allowlisted, wrong password, expired access,
@@ -22,7 +22,9 @@ def main() -> None:
     stop = StopFlag().install()
     args = parse_role_arguments("volunteer", volunteer=True)  # loads the identity the token is issued for
     setup_logging(args.name)
-    authorizer = authorize(args.auth_server)  # refusals surface here, before the model, data or DHT are built
+    authorizer = authorize(
+        args.auth_server, args.auth_ca
+    )  # refusals surface here, before the model, data or DHT are built
     name = args.name if args.name_given else authorizer.username
     run_trainer(args.config, args.config_path, name, stop, authorizer)
 

@@ -6,6 +6,7 @@ matchmaking as soon as the swarm's next step is near and does not miss rounds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from typing import Optional
 import torch
 from hivemind.utils.auth import AuthorizerBase
 
+from common.auth import averaging_run_id
 from common.config import RunConfig, import_task_module
 from common.errors import PeerError
 from common.lifecycle import StopFlag
@@ -70,7 +72,10 @@ def run_auxiliary(
     try:
         torch.manual_seed(config.training.seed)
         task = import_task_module(config.task_module).build_task(config, with_data=False)
-        optimizer = make_collaborative_optimizer(dht, task, config.collaboration, None, auxiliary=True)
+        collab = dataclasses.replace(  # a moderated run's averaging prefixes carry its run secret
+            config.collaboration, run_id=averaging_run_id(config.collaboration.run_id, authorizer)
+        )
+        optimizer = make_collaborative_optimizer(dht, task, collab, None, auxiliary=True)
         started, steps_seen, last_epoch = time.time(), 0, optimizer.local_epoch
         logger.info("auxiliary peer running: assisting in averaging")
         while not stop.is_set():

@@ -13,6 +13,7 @@ import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.auth import AuthorizerBase
 
+from common.auth import averaging_run_id
 from common.checkpoints import load_latest_checkpoint, save_checkpoint
 from common.config import RunConfig, import_task_module, to_container
 from common.dashboard import start_dashboard
@@ -123,7 +124,8 @@ class Monitor:
                 optimizer=self.task.make_optimizer,
                 params=self.task.optimizer_param_groups(),
                 scheduler=self.task.make_scheduler,
-                prefix=f"{config.collaboration.run_id}_state_averager",
+                # the trainers' state averagers' prefix (with a moderated run's secret tag): they serve its state
+                prefix=f"{averaging_run_id(config.collaboration.run_id, authorizer)}_state_averager",
                 min_matchmaking_time=config.collaboration.matchmaking_time,
                 start=True,
             )

@@ -13,6 +13,7 @@ import torch
 from hivemind.utils.auth import AuthorizerBase
 
 from common import startup
+from common.auth import averaging_run_id
 from common.backends import (
     CollaborativeBackend,
     SingleProcessBackend,
@@ -59,7 +60,11 @@ def build_backend(
     fingerprint = model_fingerprint(task.model)
     try:
         require_same_model(dht, config.collaboration.run_id, fingerprint)
-        collab = dataclasses.replace(config.collaboration, bandwidth=link_bandwidth(dht, config))
+        collab = dataclasses.replace(
+            config.collaboration,
+            bandwidth=link_bandwidth(dht, config),
+            run_id=averaging_run_id(config.collaboration.run_id, authorizer),  # tagged in a moderated run
+        )
         optimizer = make_collaborative_optimizer(
             dht, task, collab, config.training.local_batch_size, uses_grad_scaler=needs_loss_scaling(precision)
         )

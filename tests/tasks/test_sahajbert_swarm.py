@@ -14,7 +14,15 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from albert.sahajbert.data import StreamConfig, tokenizer_training_texts
 from albert.sahajbert.tokenizer import train_bengali_tokenizer
-from common.auth import AllowlistEntry, AllowlistTokenAuthorizer, AuthorizationService, AuthServer, hash_password
+from common.auth import (
+    AllowlistEntry,
+    AllowlistTokenAuthorizer,
+    AuthorizationService,
+    AuthServer,
+    TLSFiles,
+    hash_password,
+    make_self_signed_certificate,
+)
 from common.config import NetworkConfig
 from common.dht import start_dht
 from common.errors import PeerError
@@ -64,6 +72,8 @@ def _start_moderated_peer(tmp_path, tokenizer_dir, server_url, script, name, use
         "configs/sahajbert/tiny.yaml",
         "--auth-server",
         server_url,
+        "--auth-ca",
+        str(tmp_path / "auth.crt"),  # the organiser's self-signed certificate
         "--name",
         name,
         *extra,
@@ -119,7 +129,9 @@ def test_allowlisted_volunteers_train_and_others_are_refused(tmp_path):
     train_bengali_tokenizer(tokenizer_training_texts(stream), 400).save_pretrained(str(tokenizer_dir))
     allowlist = {name: AllowlistEntry(name, hash_password(password)) for name, password in PASSWORDS.items()}
     service = AuthorizationService(allowlist, RSAPrivateKey(), timedelta(minutes=10))
-    server = AuthServer(service).start()
+    tls = TLSFiles(tmp_path / "auth.crt", tmp_path / "auth.key")
+    make_self_signed_certificate(tls.certificate, tls.key, ["127.0.0.1"])
+    server = AuthServer(service, tls).start()
     processes = []
     try:
         alice = _start_volunteer(tmp_path, tokenizer_dir, server.url, "alice", ["--server-mode"])
