@@ -102,7 +102,7 @@ def export_final_model(config: RunConfig, task, trainer: Trainer, summary: Train
         run_id=config.collaboration.run_id,
         global_step=summary.global_steps,
         samples=summary.global_steps * config.collaboration.target_batch_size,
-        exported_by=f"trainer {summary.peer_name} at the end of its run",
+        exported_by=f"the trainer peer {summary.peer_name!r} at the end of its run",
         backend=config.training.backend.value,
         final_loss=last.loss if last is not None else None,
         metrics=dict(last.metrics) if last is not None else {},

@@ -99,6 +99,7 @@ def check_comparison_outputs(output) -> None:
     assert (output / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = (output / "results.md").read_text()
     assert "scripts/experiments/compare_setups.py --reduced" in results and "Load average" in results
+    assert "held-out documents (never trained on)" in results  # scored on documents no setup trained on
     assert all(f"| {name} |" in results for name in SETUPS)
 
 
