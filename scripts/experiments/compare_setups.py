@@ -53,10 +53,14 @@ COMMON_OVERRIDES = [
     # 5 % of the documents are never trained on: every final model is scored on them (task.heldout_fraction)
     "task.heldout_fraction=0.05",
 ]
-# The full run: the tiny recipe (LAMB 0.05, 512 samples per step) for 100 global steps (51,200 samples per setup),
-# the schedule ending just after them. Estimated 70-90 minutes for the five setups on an idle 2-core machine (from
-# the single-process and swarm throughputs measured for the demo; the full run has not been timed yet).
+# The full run: the recipe calibrated for the demo (LAMB 0.05, warmup 5, 512 samples per step) for 100 global steps
+# (51,200 samples per setup), the schedule ending just after them. Estimated 70-90 minutes for the five setups on
+# an idle 2-core machine from earlier single-process and swarm throughputs; the full run has not been timed yet.
 FULL_OVERRIDES = [
+    "task.learning_rate=0.05",
+    "task.warmup_steps=5",
+    "collaboration.target_batch_size=512",
+    "collaboration.agreement_tolerance=0.1",
     "training.max_global_steps=100",
     "task.total_steps=110",
 ]
