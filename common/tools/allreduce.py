@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Dict, List, Sequence
@@ -31,7 +31,7 @@ from common.config import Compression
 from common.errors import ConfigError, PeerError
 from common.lifecycle import setup_logging
 from common.optimizer import make_compression
-from common.tools.netns import EmulatedNetwork, HostSpec, NetworkSetup
+from common.tools.netns import HOST_INTERFACE, EmulatedNetwork, HostSpec, NetworkSetup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,12 +64,106 @@ def payload_vector(params: int, rank: int):
     return torch.randn(params, generator=generator) * (rank + 1)
 
 
+def link_counters() -> Dict[str, int]:
+    """Bytes this host's interface has sent (its upload) and received (its download), per the kernel."""
+    statistics_dir = Path("/sys/class/net") / HOST_INTERFACE / "statistics"
+    return {key: int((statistics_dir / f"{key}_bytes").read_text()) for key in ("tx", "rx")}
+
+
+def process_tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this worker and every live descendant: the DHT and averager processes and
+    their libp2p daemon (p2pd) all run under it."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for process in [me] + me.children(recursive=True):
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def sample(round_index: int) -> dict:
+    return {
+        "round": round_index,
+        "time": time.time(),
+        "cpu_s": process_tree_cpu_seconds(),
+        "load1": os.getloadavg()[0],
+        **link_counters(),
+    }
+
+
+def stream_results_to_zero_share_peers() -> None:
+    """Make a peer that reduces nothing receive averaged parts while it still sends, as every other peer does.
+
+    hivemind 1.1.12's ``AllReduceRunner.should_delay_results`` holds back the results for any peer whose share
+    is 0 until that peer has sent its whole vector (meant for client-mode peers on asymmetric links). The load
+    balancer, though, gives a share of 0 to *slow full peers* too, and its model assumes their upload and
+    download overlap: V / bandwidth. Delayed, they take 2 V / bandwidth -- more than the V * 1.5 / bandwidth of
+    a uniform split, which cancels the balancing gain. Here only client-mode peers wait.
+    """
+    from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+
+    def should_delay_results(self, peer_id) -> bool:
+        return self.modes[self.ordered_peer_ids.index(peer_id)] == AveragingMode.CLIENT
+
+    AllReduceRunner.should_delay_results = should_delay_results
+
+
+class LinkTracer:
+    """Samples this host's interface counters every ``interval`` seconds in a thread: when each direction of its
+    link was busy within a round (does a peer's upload overlap its download?)."""
+
+    def __init__(self, interval: float):
+        import threading
+
+        self.interval, self.trace = interval, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        if interval > 0:
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            counters = link_counters()
+            self.trace.append((round(time.time(), 4), counters["tx"], counters["rx"]))
+
+    def take(self) -> list:
+        trace, self.trace = self.trace, []
+        return trace
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def log_result_arrivals(path: Path) -> None:
+    """Append (time, reducer index, part index) to ``path`` each time an averaged part arrives at this peer: when,
+    within a round, results flow back (a diagnostic: it patches hivemind in this worker only)."""
+    from hivemind.averaging.partition import TensorPartContainer
+
+    register = TensorPartContainer.register_processed_part
+
+    def logged(self, peer_index: int, part_index: int, part):
+        with path.open("a") as handle:
+            handle.write(json.dumps([time.time(), peer_index, part_index]) + "\n")
+        return register(self, peer_index, part_index, part)
+
+    TensorPartContainer.register_processed_part = logged
+
+
 def run_worker(plan: dict) -> None:
     import hivemind
     import torch
     from hivemind.averaging.control import AveragingStage
 
     torch.set_num_threads(1)
+    if plan["zero_share_results"] == "streamed":
+        stream_results_to_zero_share_peers()
+    if plan["trace_interval"] > 0:
+        log_result_arrivals(Path(plan["results_file"]).with_name(f"arrivals_{plan['host']['name']}.jsonl"))
     host = plan["host"]
     client_mode = not host["accepts_inbound"] and not plan["server_mode_behind_firewall"]
     results = Path(plan["results_file"])
@@ -108,14 +202,20 @@ def run_worker(plan: dict) -> None:
                 request_timeout=3.0,
                 allreduce_timeout=plan["allreduce_timeout"],
                 compression=make_compression(Compression(condition["compression"])),
+                part_size_bytes=plan["part_size_bytes"],
+                sender_timeout=plan["sender_timeout"],
+                reducer_timeout=2 * plan["sender_timeout"] if plan["sender_timeout"] else None,
                 bandwidth=condition["declared_mbit"],
                 auxiliary=host["role"] == "auxiliary",
                 client_mode=client_mode,
             )
+            samples, tracer = [], LinkTracer(plan["trace_interval"])
             try:
                 for round_index in range(plan["rounds"] + 1):  # round 0 warms connections up
+                    samples.append(sample(round_index))
                     with averager.get_tensors() as tensors:
                         tensors[0].copy_(original)
+                    step_called = time.time()
                     control = averager.step(wait=False, timeout=plan["step_timeout"])
                     while not control.done() and control.stage != AveragingStage.RUNNING_ALLREDUCE:
                         time.sleep(0.002)
@@ -132,6 +232,7 @@ def run_worker(plan: dict) -> None:
                         "condition": condition["index"],
                         "round": round_index,
                         "host": host["name"],
+                        "step_called": step_called,
                         "started": started,
                         "finished": finished,
                         "group_size": len(group) if group else 0,
@@ -139,12 +240,19 @@ def run_worker(plan: dict) -> None:
                     }
                     with results.open("a") as handle:
                         handle.write(json.dumps(record) + "\n")
-                # a peer done with its own result may still be sending its reduced part to the others:
-                # shutting down before everyone has theirs would leave them with a partial average
-                wait_for_group(
-                    results, condition["index"], plan["rounds"], condition["group_size"], plan["step_timeout"]
-                )
+                    # a barrier: a peer done with its own result may still be sending its reduced part to the
+                    # others, so the next sample (and round) waits until every peer holds this round's average.
+                    # It also keeps that traffic in this round's byte counts and (at the end) keeps a peer from
+                    # shutting down while others still need its part.
+                    wait_for_group(
+                        results, condition["index"], round_index, condition["group_size"], plan["step_timeout"]
+                    )
+                samples.append(sample(plan["rounds"] + 1))
+                summary = {"condition": condition["index"], "host": host["name"], "samples": samples}
+                with results.open("a") as handle:
+                    handle.write(json.dumps(dict(summary, trace=tracer.take())) + "\n")
             finally:
+                tracer.stop()
                 averager.shutdown()
     finally:
         dht.shutdown()
@@ -156,7 +264,7 @@ def wait_for_group(results: Path, condition: int, last_round: int, group_size: i
         finished = [
             record
             for record in map(json.loads, results.read_text().splitlines())
-            if record["condition"] == condition and record["round"] == last_round
+            if record["condition"] == condition and record.get("round") == last_round
         ]
         if len(finished) >= group_size:
             return
@@ -255,7 +363,10 @@ def run_setup(setup: NetworkSetup, conditions: List[Condition], args) -> List[di
     for host in hosts:
         if host.role == "trainer":
             data_ranks[host.name] = len(data_ranks)
-    with EmulatedNetwork(hosts) as network, TemporaryDirectory() as workdir:
+    if args.rtt_ms:  # every host delays what it sends by half the round trip
+        hosts = [replace(host, delay_ms=args.rtt_ms / 2) for host in hosts]
+    network = EmulatedNetwork(hosts, queue_ms=args.queue_ms, congestion_control=args.congestion_control)
+    with network, TemporaryDirectory() as workdir:
         workdir = Path(workdir)
         results_file, publish_file = workdir / "rounds.jsonl", workdir / "bootstrap_addresses.txt"
         order = [bootstrap] + [i for i in range(len(hosts)) if i != bootstrap]
@@ -277,14 +388,20 @@ def run_setup(setup: NetworkSetup, conditions: List[Condition], args) -> List[di
                     "use_relay": args.use_relay,
                     "use_auto_relay": args.use_auto_relay,
                     "server_mode_behind_firewall": args.server_mode_behind_firewall,
+                    "zero_share_results": args.zero_share_results,
+                    "part_size_bytes": args.part_size_bytes,
+                    "sender_timeout": args.sender_timeout,
+                    "trace_interval": args.trace_interval,
                     "conditions": [worker_condition(condition, host, hosts, data_ranks) for condition in conditions],
                 }
                 plan_file = workdir / f"plan_{host.name}.json"
                 plan_file.write_text(json.dumps(plan))
                 log = (workdir / f"{host.name}.log").open("w")
+                # pinning: each worker (and its DHT, averager and p2pd children) on one core, round robin
+                pin = ["taskset", "-c", str(len(processes) % os.cpu_count())] if args.pin_cpus else []
                 processes.append(
                     subprocess.Popen(
-                        network.command_prefix(i) + [sys.executable, "-m", __name__, str(plan_file)],
+                        network.command_prefix(i) + pin + [sys.executable, "-m", __name__, str(plan_file)],
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         cwd=ROOT,
@@ -304,7 +421,24 @@ def run_setup(setup: NetworkSetup, conditions: List[Condition], args) -> List[di
             tails = {hosts[i].name: (workdir / f"{hosts[i].name}.log").read_text()[-600:] for i in order}
             logger.warning(f"setup {setup.name}: workers {'timed out' if timed_out else 'failed'}; log tails: {tails}")
         records = [json.loads(line) for line in results_file.read_text().splitlines()] if results_file.exists() else []
-    return [summarise(setup, hosts, condition, records, args.rounds) for condition in conditions]
+        if args.trace_interval > 0:
+            args.output_dir.mkdir(parents=True, exist_ok=True)
+            traces = [dict(r, setup=setup.name) for r in records if r.get("trace")]
+            for trace in traces:
+                arrivals = workdir / f"arrivals_{trace['host']}.jsonl"
+                lines = arrivals.read_text().splitlines() if arrivals.exists() else []
+                trace["result_arrivals"] = [json.loads(line) for line in lines]
+            (args.output_dir / f"{args.stem}_{setup.name}_traces.json").write_text(json.dumps(traces))
+    rows, peer_rows = [], []
+    for condition in conditions:
+        row = summarise(setup, hosts, condition, records, args.rounds)
+        row.update(variant=args.variant, rtt_ms=args.rtt_ms, queue_ms=args.queue_ms, tcp=args.congestion_control)
+        row["matchmaking_s_median"] = median_matchmaking(condition, records, args.rounds)
+        rows.append(row)
+        peer_rows.extend(
+            dict(r, variant=args.variant) for r in per_peer(setup, hosts, condition, records, args.rounds)
+        )
+    return rows, peer_rows
 
 
 def worker_condition(condition: Condition, host: HostSpec, hosts: Sequence[HostSpec], data_ranks: dict) -> dict:
@@ -329,12 +463,82 @@ def report_progress(results_file: Path, conditions: List[Condition], rounds: int
     done = {
         json.loads(line)["condition"]
         for line in results_file.read_text().splitlines()
-        if json.loads(line)["round"] == rounds
+        if json.loads(line).get("round") == rounds
     }
     message = f"{len(done)}/{len(conditions)} conditions finished"
     if getattr(report_progress, "last", None) != message:
         report_progress.last = message
         logger.info(message)
+
+
+def planned_shares(members: Sequence[HostSpec], condition: Condition) -> List[float]:
+    """The shares hivemind's load balancer assigns this group: its own ``load_balance_peers`` on the bandwidths
+    the peers declare (client-mode peers count as 0, as the averager passes them)."""
+    from hivemind.averaging.load_balancing import load_balance_peers
+
+    declared = [
+        (UNIFORM_DECLARED_MBIT if condition.split == "uniform" else h.link_mbit) if h.accepts_inbound else 0.0
+        for h in members
+    ]
+    return [size / condition.params for size in load_balance_peers(condition.params, declared)]
+
+
+def per_peer(
+    setup: NetworkSetup, hosts: Sequence[HostSpec], condition: Condition, records: List[dict], rounds: int
+) -> List[dict]:
+    """One row per peer and timed round: planned share and bytes beside the bytes its interface really moved,
+    its CPU seconds (worker + DHT + averager + p2pd) and the round's wall time."""
+    members = [h for h in hosts if condition.aux == "with" or h.role != "auxiliary"]
+    shares = planned_shares(members, condition)
+    holds_data = [h.role == "trainer" for h in members]
+    vector_bytes = condition.params * BYTES_PER_ELEMENT[Compression(condition.compression)]
+    planned = link_bytes_per_peer(shares, holds_data, vector_bytes)
+    samples = {r["host"]: r["samples"] for r in records if r["condition"] == condition.index and "samples" in r}
+    rows = []
+    for round_index in range(1, rounds + 1):
+        this_round = [r for r in records if r["condition"] == condition.index and r.get("round") == round_index]
+        if not this_round:
+            continue
+        group_s = max(r["finished"] for r in this_round) - min(r["started"] for r in this_round)
+        for host, share, planned_bytes in zip(members, shares, planned):
+            own = next((r for r in this_round if r["host"] == host.name), None)
+            host_samples = samples.get(host.name)
+            if own is None or host_samples is None or len(host_samples) < round_index + 2:
+                continue
+            before, after = host_samples[round_index], host_samples[round_index + 1]
+            rows.append(
+                {
+                    "setup": setup.name,
+                    "params": condition.params,
+                    "compression": condition.compression,
+                    "split": condition.split,
+                    "aux": condition.aux,
+                    "round": round_index,
+                    "host": host.name,
+                    "link_mbit": host.link_mbit,
+                    "share_planned": round(share, 4),
+                    "planned_up_MB": round(planned_bytes / 1e6, 3),
+                    "observed_up_MB": round((after["tx"] - before["tx"]) / 1e6, 3),
+                    "planned_down_MB": round(planned_bytes / 1e6, 3),
+                    "observed_down_MB": round((after["rx"] - before["rx"]) / 1e6, 3),
+                    "peer_round_s": round(own["finished"] - own["started"], 3),
+                    "group_round_s": round(group_s, 3),
+                    "cpu_s": round(after["cpu_s"] - before["cpu_s"], 3),
+                    "wall_s": round(after["time"] - before["time"], 3),
+                    "load1": round(before["load1"], 2),
+                }
+            )
+    return rows
+
+
+def median_matchmaking(condition: Condition, records: List[dict], rounds: int) -> float:
+    """Median over timed rounds of the longest a peer spent between ``step()`` and the all-reduce starting."""
+    waits = []
+    for round_index in range(1, rounds + 1):
+        this_round = [r for r in records if r["condition"] == condition.index and r.get("round") == round_index]
+        if this_round:
+            waits.append(max(r["started"] - r["step_called"] for r in this_round))
+    return round(statistics.median(waits), 3) if waits else float("nan")
 
 
 def summarise(
@@ -345,11 +549,17 @@ def summarise(
     bounds = lower_bounds(members, vector_bytes)
     times, errors = [], []
     for round_index in range(1, rounds + 1):
-        this_round = [r for r in records if r["condition"] == condition.index and r["round"] == round_index]
+        this_round = [r for r in records if r["condition"] == condition.index and r.get("round") == round_index]
         if len(this_round) == len(members) and all(r["group_size"] == len(members) for r in this_round):
             times.append(max(r["finished"] for r in this_round) - min(r["started"] for r in this_round))
             errors.extend(r["relative_error"] for r in this_round if r["relative_error"] is not None)
     median = statistics.median(times) if times else float("nan")
+    loads = [
+        sample["load1"]
+        for r in records
+        if r["condition"] == condition.index and "samples" in r
+        for sample in r["samples"]
+    ]
     return {
         "setup": setup.name,
         "peers": sum(h.role == "trainer" for h in members),
@@ -369,15 +579,24 @@ def summarise(
         if times and bounds["bound_optimal_s"] > 0
         else float("nan"),
         "max_relative_l2_error": f"{max(errors):.2e}" if errors else "",
+        "load1_mean": round(statistics.mean(loads), 2) if loads else float("nan"),
     }
 
 
-def write_outputs(rows: List[dict], output_dir: Path, stem: str) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    with (output_dir / f"{stem}.csv").open("w", newline="") as handle:
+def write_csv(rows: List[dict], path: Path) -> None:
+    with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def write_outputs(rows: List[dict], peer_rows: List[dict], output_dir: Path, stem: str) -> None:
+    """<stem>.csv/.md/.png: one row per condition; <stem>_peers.csv/_bytes.png: per peer and round."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, output_dir / f"{stem}.csv")
+    if peer_rows:
+        write_csv(peer_rows, output_dir / f"{stem}_peers.csv")
+        plot_bytes(peer_rows, output_dir / f"{stem}_bytes.png")
     columns = [
         "setup",
         "peers",
@@ -393,6 +612,8 @@ def write_outputs(rows: List[dict], output_dir: Path, stem: str) -> None:
         "bound_uniform_s",
         "ratio_to_optimal_bound",
         "max_relative_l2_error",
+        "load1_mean",
+        "variant",
     ]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
@@ -406,7 +627,10 @@ def plot(rows: List[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['setup']} {r['params'] / 1e6:g}M {r['compression']} {r['split']} aux {r['aux']}" for r in rows]
+    labels = [
+        f"{r['setup']} {r['params'] / 1e6:g}M {r['compression']} {r['split']} aux {r['aux']} {r['variant']}".strip()
+        for r in rows
+    ]
     positions = range(len(rows))
     figure, axis = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 5.5))
     axis.bar([p - 0.2 for p in positions], [r["round_s_median"] for r in rows], width=0.4, label="measured (median)")
@@ -423,6 +647,38 @@ def plot(rows: List[dict], path: Path) -> None:
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_bytes(peer_rows: List[dict], path: Path) -> None:
+    """Per condition and peer: planned vs observed upload and download (mean over rounds), in MB."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: Dict[tuple, Dict[str, List[dict]]] = {}
+    for row in peer_rows:
+        key = (row["setup"], row["params"], row["compression"], row["split"], row["aux"], row["variant"])
+        groups.setdefault(key, {}).setdefault(row["host"], []).append(row)
+    figure, axes = plt.subplots(len(groups), 1, figsize=(8, 2.6 * len(groups)), squeeze=False)
+    bars = [("planned_up_MB", "planned up"), ("observed_up_MB", "observed up")]
+    bars += [("planned_down_MB", "planned down"), ("observed_down_MB", "observed down")]
+    for axis, (key, by_host) in zip(axes[:, 0], groups.items()):
+        names = list(by_host)
+        for offset, (column, label) in enumerate(bars):
+            means = [statistics.mean(r[column] for r in by_host[name]) for name in names]
+            axis.bar([i + (offset - 1.5) * 0.2 for i in range(len(names))], means, width=0.2, label=label)
+        axis.set_xticks(range(len(names)))
+        axis.set_xticklabels(
+            [f"{n} ({by_host[n][0]['link_mbit']} Mb/s, share {by_host[n][0]['share_planned']:.2f})" for n in names],
+            fontsize=7,
+        )
+        axis.set_ylabel("MB per round")
+        axis.set_title(" ".join(str(k) for k in key if k != ""), fontsize=9)
+    axes[0, 0].legend(fontsize=7, ncol=4)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
     plt.close(figure)
 
 

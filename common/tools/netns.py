@@ -3,7 +3,8 @@
 Each host namespace gets a veth pair whose other end joins a bridge in a namespace of its own, so every
 address (``10.77.0.0/24``) exists only inside namespaces this module created and traffic never touches the
 machine's real interfaces. Upload/download caps are ``tc`` token-bucket filters on the two ends of the host's
-veth (the kernel here has no netem, so added latency is not emulated). A host that "accepts no inbound
+veth. Latency (``delay_ms``): the kernel here has no netem, so a user-space delay line (common/tools/linkdelay.py)
+holds each packet the host sends for that long before it reaches the upload cap. A host that "accepts no inbound
 connections" (behind NAT or a firewall) drops new inbound connections with nftables, which is what makes a
 volunteer join in client mode.
 
@@ -21,6 +22,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +60,7 @@ class HostSpec:
     upload_mbit: Optional[float] = None
     download_mbit: Optional[float] = None
     accepts_inbound: bool = True  # False = behind NAT/firewall: the peer must run in client mode
+    delay_ms: float = 0.0  # one-way delay added to everything this host sends (common/tools/linkdelay.py)
 
     def __post_init__(self) -> None:
         if not self.name or not re.fullmatch(r"[A-Za-z0-9_-]+", self.name):
@@ -68,6 +71,8 @@ class HostSpec:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"host {self.name}: {key} must be > 0 (got {value})")
+        if not 0 <= self.delay_ms <= 5000:
+            raise ValueError(f"host {self.name}: delay_ms must be within 0..5000 (got {self.delay_ms})")
         if self.role == "auxiliary" and not self.accepts_inbound:
             raise ValueError(f"host {self.name}: an auxiliary peer must accept inbound connections (it aggregates)")
 
@@ -195,11 +200,12 @@ def cleanup_orphaned() -> List[str]:
     return removed
 
 
-def _tbf(rate_mbit: float) -> List[str]:
-    """A token bucket for ``rate_mbit``: the bucket holds >= 64 KiB so a veth GSO packet passes whole."""
+def _tbf(rate_mbit: float, queue_ms: float) -> List[str]:
+    """A token bucket for ``rate_mbit``: the bucket holds >= 64 KiB so a veth GSO packet passes whole; packets
+    wait at most ``queue_ms`` in its queue before it drops them (the link's buffer)."""
     rate_bytes = rate_mbit * 1e6 / 8
     burst = max(96 * 1024, int(rate_bytes * 0.004))
-    return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+    return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", f"{queue_ms:g}ms"]
 
 
 class EmulatedNetwork:
@@ -213,14 +219,19 @@ class EmulatedNetwork:
     interpreter exit; ``cleanup_orphaned()`` removes what a SIGKILLed owner left behind.
     """
 
-    def __init__(self, hosts: Sequence[HostSpec]):
+    def __init__(self, hosts: Sequence[HostSpec], queue_ms: float = 100.0, congestion_control: str = ""):
+        """``queue_ms``: the longest a packet waits in a capped link's queue (tbf ``latency``); a full upload queue
+        also delays the ACKs of what the host downloads. ``congestion_control``: TCP's algorithm in every host
+        namespace ("" = the kernel default, bbr on this machine)."""
         if not hosts:
             raise ValueError("EmulatedNetwork needs at least one host")
         self.hosts = list(hosts)
+        self.queue_ms, self.congestion_control = queue_ms, congestion_control
         self.prefix = f"{NAMESPACE_PREFIX}{os.getpid()}-{secrets.token_hex(2)}-"
         self.bridge_namespace = f"{self.prefix}br"
         self.namespaces = [f"{self.prefix}{index}" for index in range(len(self.hosts))]
         self._created: List[str] = []
+        self._delay_lines: List[subprocess.Popen] = []  # killed with their namespaces; reaped in close()
         self._closed = False
 
     # --- addresses and launching -------------------------------------------------------------
@@ -262,6 +273,7 @@ class EmulatedNetwork:
         return {
             host.name: f"{self.host_ip(i)} up {host.upload_mbit or 'inf'} / down {host.download_mbit or 'inf'} Mbit/s"
             + ("" if host.accepts_inbound else ", no inbound")
+            + (f", +{host.delay_ms:g} ms sending" if host.delay_ms else "")
             for i, host in enumerate(self.hosts)
         }
 
@@ -292,6 +304,13 @@ class EmulatedNetwork:
             except NetworkEmulationError as error:
                 errors.append(str(error))
         self._created.clear()
+        for process in self._delay_lines:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            process.stderr.close()
         if errors:
             raise NetworkEmulationError("; ".join(errors))
 
@@ -334,15 +353,62 @@ class EmulatedNetwork:
             _run(["ip", "-n", namespace, "link", "set", HOST_INTERFACE, "up"])
             if host.upload_mbit is not None:  # leaving the host = its upload
                 _run(
-                    ["tc", "-n", namespace, "qdisc", "replace", "dev", HOST_INTERFACE, "root"] + _tbf(host.upload_mbit)
+                    ["tc", "-n", namespace, "qdisc", "replace", "dev", HOST_INTERFACE, "root"]
+                    + _tbf(host.upload_mbit, self.queue_ms)
                 )
             if host.download_mbit is not None:  # leaving the bridge port towards the host = its download
                 _run(
                     ["tc", "-n", self.bridge_namespace, "qdisc", "replace", "dev", port, "root"]
-                    + _tbf(host.download_mbit)
+                    + _tbf(host.download_mbit, self.queue_ms)
                 )
             if not host.accepts_inbound:
                 self._block_inbound(namespace)
+            if self.congestion_control:
+                _run(
+                    ["ip", "netns", "exec", namespace, "sysctl", "-qw"]
+                    + [f"net.ipv4.tcp_congestion_control={self.congestion_control}"]
+                )
+            if host.delay_ms > 0:
+                self._add_delay_line(index, port)
+
+    def _add_delay_line(self, index: int, port: str) -> None:
+        """Route this host's traffic to the subnet through a TUN device served by a delay-line process, whose
+        marked output policy routing sends out through the real interface (common/tools/linkdelay.py)."""
+        from common.tools import linkdelay
+
+        namespace, ip, subnet = self.namespaces[index], self.host_ip(index), f"{SUBNET_PREFIX}.0/24"
+        host_ns = ["ip", "-n", namespace]
+        for command in (
+            host_ns + ["link", "set", HOST_INTERFACE, "mtu", str(linkdelay.LINK_MTU)],
+            ["ip", "-n", self.bridge_namespace, "link", "set", port, "mtu", str(linkdelay.LINK_MTU)],
+            host_ns + ["tuntap", "add", "dev", linkdelay.TUN_NAME, "mode", "tun"],
+            host_ns + ["link", "set", linkdelay.TUN_NAME, "mtu", str(linkdelay.TUN_MTU), "up"],
+            host_ns
+            + ["route", "add", subnet, "dev", HOST_INTERFACE, "src", ip, "table", str(linkdelay.FORWARD_TABLE)],
+            host_ns + ["rule", "add", "fwmark", str(linkdelay.FORWARD_MARK), "lookup", str(linkdelay.FORWARD_TABLE)],
+            host_ns + ["route", "replace", subnet, "dev", linkdelay.TUN_NAME, "src", ip],
+            # replies arrive on eth0 while the route back points at the TUN device: no reverse-path filtering
+            ["ip", "netns", "exec", namespace, "sysctl", "-qw", "net.ipv4.conf.all.rp_filter=0"],
+            ["ip", "netns", "exec", namespace, "sysctl", "-qw", f"net.ipv4.conf.{HOST_INTERFACE}.rp_filter=0"],
+        ):
+            _run(command)
+        delay_ms = self.hosts[index].delay_ms
+        process = subprocess.Popen(
+            self.command_prefix(index)
+            + [sys.executable, "-m", "common.tools.linkdelay", "--delay-ms", f"{delay_ms:g}"],
+            cwd=Path(__file__).resolve().parents[2],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        self._delay_lines.append(process)
+        # a persistent TUN device reports NO-CARRIER until a process attaches to it
+        deadline = time.monotonic() + 30
+        while "NO-CARRIER" in _run(host_ns + ["link", "show", linkdelay.TUN_NAME]):
+            if process.poll() is not None or time.monotonic() > deadline:
+                detail = process.stderr.read().decode()[-300:] if process.poll() is not None else "timed out"
+                raise NetworkEmulationError(f"the delay line of host {self.hosts[index].name} did not start: {detail}")
+            time.sleep(0.05)
 
     def _block_inbound(self, namespace: str) -> None:
         """Like a home router's NAT: replies to our own connections pass, new inbound connections are dropped."""

@@ -55,6 +55,32 @@ def main() -> None:
         action="store_true",
         help="peers on no-inbound hosts do NOT use client mode (shows why they must)",
     )
+    parser.add_argument(
+        "--zero-share-results",
+        choices=("streamed", "after-sending"),
+        default="streamed",
+        help="streamed: a full peer with a zero share gets averaged parts while it sends (common/tools/allreduce.py); "
+        "after-sending: hivemind 1.1.12 as is (only after it has sent its whole vector)",
+    )
+    parser.add_argument("--part-size-bytes", type=int, default=2**19, help="hivemind's all-reduce part size")
+    parser.add_argument(
+        "--sender-timeout", type=float, default=None, help="hivemind sender_timeout (reducer: 2x); default none"
+    )
+    parser.add_argument(
+        "--trace-interval",
+        type=float,
+        default=0.0,
+        help="sample link counters this often (s) into <stem>_*_traces.json",
+    )
+    parser.add_argument("--queue-ms", type=float, default=100.0, help="capped links' queue (tbf latency), ms")
+    parser.add_argument(
+        "--congestion-control", default="", help="TCP congestion control in the host namespaces ('' = kernel's)"
+    )
+    parser.add_argument(
+        "--rtt-ms", type=float, default=0.0, help="added round-trip time between hosts (each delays sends by half)"
+    )
+    parser.add_argument("--pin-cpus", action="store_true", help="pin each host's processes to one core (taskset)")
+    parser.add_argument("--variant", default="", help="a label for this run's rows (hypothesis tests)")
     parser.add_argument("--output-dir", type=Path, default=Path("paper_results/network"))
     parser.add_argument("--stem", default="averaging", help="output file names: <stem>.csv/.png/.md")
     args = parser.parse_args()
@@ -67,7 +93,7 @@ def main() -> None:
     if args.rounds < 1 or any(p < 1 for p in args.params):
         raise ConfigError("--rounds and --params must be >= 1")
     setups = [load_network_setup(path) for path in args.setups]
-    rows = []
+    rows, peer_rows = [], []
     for setup in setups:
         has_aux = any(host.role == "auxiliary" for host in setup.hosts)
         grid = itertools.product(
@@ -78,7 +104,7 @@ def main() -> None:
         ]
         started = time.monotonic()
         logger.info(f"setup {setup.name}: {len(conditions)} conditions x {args.rounds} rounds")
-        setup_rows = run_setup(setup, conditions, args)
+        setup_rows, setup_peer_rows = run_setup(setup, conditions, args)
         for row in setup_rows:
             logger.info(
                 f"{row['setup']} {row['params']} {row['compression']} {row['split']} aux={row['aux']}: "
@@ -87,7 +113,10 @@ def main() -> None:
             )
         logger.info(f"setup {setup.name} took {time.monotonic() - started:.0f} s")
         rows.extend(setup_rows)
-        write_outputs(rows, args.output_dir, args.stem)  # after every setup: an interrupted run keeps its results
+        peer_rows.extend(setup_peer_rows)
+        write_outputs(
+            rows, peer_rows, args.output_dir, args.stem
+        )  # after every setup: an interrupted run keeps its results
         logger.info(f"wrote {args.output_dir / args.stem}.csv/.md/.png")
 
 

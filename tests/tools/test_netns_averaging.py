@@ -119,3 +119,40 @@ def test_client_mode_peer_behind_no_inbound_host_contributes(tmp_path):
 def test_uncapped_hosts_have_no_bandwidth_bound():
     bounds = benchmark.lower_bounds([HostSpec("a"), HostSpec("b")], 1e6)
     assert bounds == {"bound_uniform_s": 0.0, "bound_optimal_s": 0.0}
+
+
+def test_planned_shares_are_hivemind_load_balancer_output():
+    hosts = [HostSpec("fast", upload_mbit=500, download_mbit=500)] + [
+        HostSpec(f"slow{i}", upload_mbit=50, download_mbit=50) for i in range(3)
+    ]
+    balanced = benchmark.planned_shares(hosts, benchmark.Condition(0, 1000, "balanced", "without", "fp16"))
+    uniform = benchmark.planned_shares(hosts, benchmark.Condition(0, 1000, "uniform", "without", "fp16"))
+    assert balanced == pytest.approx([1.0, 0.0, 0.0, 0.0])  # the slow peers reduce nothing
+    assert uniform == pytest.approx([0.25] * 4)
+
+
+def test_per_peer_bytes_are_counter_differences_between_round_barriers():
+    hosts = [HostSpec("a", upload_mbit=100, download_mbit=100), HostSpec("b", upload_mbit=100, download_mbit=100)]
+    condition = benchmark.Condition(0, 1_000_000, "balanced", "without", "fp16")
+
+    def samples(tx_per_round):
+        return [
+            {"round": r, "time": 10.0 * r, "cpu_s": 0.5 * r, "load1": 1.0, "tx": tx_per_round * r, "rx": 7 * r}
+            for r in range(3)
+        ]
+
+    records = [
+        {"condition": 0, "round": 1, "host": name, "step_called": 9.0, "started": 10.0, "finished": 11.5}
+        for name in ("a", "b")
+    ] + [
+        {"condition": 0, "host": "a", "samples": samples(2_000_000)},
+        {"condition": 0, "host": "b", "samples": samples(1)},
+    ]
+    rows = benchmark.per_peer(benchmark.NetworkSetup("two", hosts=hosts), hosts, condition, records, rounds=1)
+    by_host = {row["host"]: row for row in rows}
+    assert by_host["a"]["share_planned"] == pytest.approx(0.5)
+    # a 2 MB fp16 vector: half of it out to be reduced, plus the averaged other half back to the other peer
+    assert by_host["a"]["planned_up_MB"] == pytest.approx(2.0)
+    assert by_host["a"]["observed_up_MB"] == pytest.approx(2.0)
+    assert by_host["a"]["cpu_s"] == pytest.approx(0.5) and by_host["a"]["group_round_s"] == pytest.approx(1.5)
+    assert benchmark.median_matchmaking(condition, records, rounds=1) == pytest.approx(1.0)
