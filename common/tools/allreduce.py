@@ -429,6 +429,7 @@ def run_setup(setup: NetworkSetup, conditions: List[Condition], args) -> List[di
                 lines = arrivals.read_text().splitlines() if arrivals.exists() else []
                 trace["result_arrivals"] = [json.loads(line) for line in lines]
             (args.output_dir / f"{args.stem}_{setup.name}_traces.json").write_text(json.dumps(traces))
+            plot_traces(traces, conditions, args.output_dir / f"{args.stem}_{setup.name}_traces.png")
     rows, peer_rows = [], []
     for condition in conditions:
         row = summarise(setup, hosts, condition, records, args.rounds)
@@ -677,6 +678,36 @@ def plot_bytes(peer_rows: List[dict], path: Path) -> None:
         axis.set_ylabel("MB per round")
         axis.set_title(" ".join(str(k) for k in key if k != ""), fontsize=9)
     axes[0, 0].legend(fontsize=7, ncol=4)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_traces(traces: List[dict], conditions: List[Condition], path: Path) -> None:
+    """Per condition: each peer's upload and download rate (Mb/s) through the last timed round, with the moments
+    averaged parts arrived at it (ticks): shows whether a peer's download overlaps its upload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(conditions), 1, figsize=(9, 3 * len(conditions)), squeeze=False)
+    for axis, condition in zip(axes[:, 0], conditions):
+        for trace in (t for t in traces if t["condition"] == condition.index):
+            samples = trace["samples"]
+            start, end = samples[-2]["time"], samples[-1]["time"]  # the last timed round, barrier to barrier
+            points = [p for p in trace["trace"] if start <= p[0] <= end]
+            for column, style in ((1, "-"), (2, ":")):
+                times = [(b[0] + a[0]) / 2 - start for a, b in zip(points, points[1:])]
+                rates = [(b[column] - a[column]) * 8 / (b[0] - a[0]) / 1e6 for a, b in zip(points, points[1:])]
+                label = f"{trace['host']} {'up' if column == 1 else 'down'}"
+                line = axis.plot(times, rates, style, label=label, linewidth=1)[0]
+            arrivals = [a[0] - start for a in trace.get("result_arrivals", []) if start <= a[0] <= end]
+            axis.plot(arrivals, [-5] * len(arrivals), "|", color=line.get_color(), markersize=6)
+        axis.set_title(f"{condition.params / 1e6:g}M {condition.compression} {condition.split}", fontsize=9)
+        axis.set_ylabel("Mb/s")
+        axis.legend(fontsize=6, ncol=4)
+    axes[-1, 0].set_xlabel("seconds since the round's barrier (ticks below 0: averaged parts arriving)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
