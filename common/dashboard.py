@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from common.checkpoints import CHECKPOINT_PATTERN, list_checkpoints
 from common.config import RunConfig
@@ -169,6 +170,19 @@ class DashboardState:
         }
 
 
+class _RequestErrorLog(logging.LoggerAdapter):
+    """The log aiohttp's request handler writes to. aiohttp logs a malformed request (a request line over the
+    limit, a bad header), which it has already answered with 400, as an ERROR with a traceback: that is the
+    client's fault, so here it is one DEBUG line, and a flood of bad requests cannot fill the monitor's log.
+    Anything else that goes wrong while serving stays visible, as a WARNING with its traceback."""
+
+    def exception(self, message, *args, exc_info=True, **kwargs) -> None:
+        if isinstance(exc_info, BadHttpMessage):
+            self.debug(f"{message % args}: {type(exc_info).__name__} (answered {exc_info.code})")
+        else:
+            self.warning(message, *args, exc_info=exc_info, **kwargs)
+
+
 def encode_snapshot(state: dict) -> bytes:
     return json.dumps(state, allow_nan=False, separators=(",", ":")).encode()
 
@@ -235,7 +249,14 @@ class DashboardServer:
         app.router.add_static("/static/", STATIC_DIR, show_index=False, follow_symlinks=False)
         # no access log (a busy page would flood the monitor's log); the parser answers a request line or
         # header over 8 KiB (huge query strings) with 400 itself, before any handler runs
-        runner = web.AppRunner(app, handle_signals=False, access_log=None, max_line_size=8190, max_field_size=8190)
+        runner = web.AppRunner(
+            app,
+            handle_signals=False,
+            access_log=None,
+            logger=_RequestErrorLog(logging.getLogger(f"{__name__}.requests"), {}),
+            max_line_size=8190,
+            max_field_size=8190,
+        )
         await runner.setup()
         try:
             site = web.TCPSite(runner, self.host, self.port, shutdown_timeout=1.0)
@@ -292,13 +313,14 @@ class Dashboard:
         self.server = DashboardServer(host, port)
         self.last_seen: Dict[str, tuple] = {}  # peer key -> (display name, unix time of its newest step record)
 
-    def start(self, output_dir: Path, history: List[dict]) -> str:
-        """Load the recorded history (a restarted monitor shows the whole run), bind, and write the URL file."""
+    def start(self, output_dir: Path, history: List[dict], leaderboard_rows=()) -> str:
+        """Load the recorded history and leaderboard (a restarted monitor shows the whole run at once), bind,
+        and write the URL file."""
         for entry in history:
             self.state.add_step(entry)
         self.state.resumed_steps = len(history)
         url = self.server.start()
-        self.publish([])
+        self.publish(leaderboard_rows)
         (output_dir / URL_FILE).write_text(url + "\n")
         logger.info(f"dashboard: the run's live page is at {url}")
         return url
@@ -339,7 +361,7 @@ class Dashboard:
 
 
 def start_dashboard(
-    config: RunConfig, output_dir: Path, history: List[dict], checkpoint_dir: Path
+    config: RunConfig, output_dir: Path, history: List[dict], checkpoint_dir: Path, leaderboard_rows=()
 ) -> Optional[Dashboard]:
     """The monitor's page if ``monitor.dashboard`` is on (else None), already serving the recorded history."""
     if not config.monitor.dashboard:
@@ -357,5 +379,5 @@ def start_dashboard(
     if existing:
         step = int(CHECKPOINT_PATTERN.search(existing[-1].name).group(1))
         dashboard.checkpoint_saved(step, existing[-1])
-    dashboard.start(output_dir, history)
+    dashboard.start(output_dir, history, leaderboard_rows)
     return dashboard

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import shutil
 import socket
 import subprocess
@@ -103,7 +104,8 @@ def test_non_finite_values_become_gaps_not_invalid_json(server):
     assert parsed["series"]["loss"] == [5.0, None]
 
 
-def test_page_assets_and_clean_errors(server):
+def test_page_assets_and_clean_errors(server, caplog):
+    caplog.set_level(logging.DEBUG)
     status, page = get(server.url)
     assert status == 200 and b"vendor/plotly.min.js" in page and b"static/app.js" in page
     assert b"http://" not in page and b"https://" not in page  # nothing from a CDN
@@ -125,6 +127,9 @@ def test_page_assets_and_clean_errors(server):
     assert status == 405  # read-only
     with urllib.request.urlopen(server.url + "api/state", timeout=10) as response:
         assert "default-src 'self'" in response.headers["Content-Security-Policy"]
+    # a client's bad request is the client's problem: answered, and at most a DEBUG line in the monitor's log
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING] == []
+    assert any("LineTooLong" in record.getMessage() for record in caplog.records)
 
 
 def test_many_concurrent_clients_get_answers(server):
@@ -392,7 +397,11 @@ def test_bad_requests_get_clean_errors_while_the_monitor_keeps_recording(tmp_pat
     # a restarted monitor reloads history.jsonl: the page shows the whole run again
     with LocalSwarm(TINY_ALBERT, run_dir, swarm_overrides(tiny_overrides, steps)) as swarm:
         url = start_swarm_with_dashboard(swarm, trainers=())
+        deadline = time.monotonic() + 60
         state = json.loads(get(url + "api/state")[1])
+        while not state["join_command"] and time.monotonic() < deadline:  # set once the DHT is up
+            time.sleep(0.5)
+            state = json.loads(get(url + "api/state")[1])
         swarm.stop_many(["monitor"])
     assert state["resumed_steps"] == steps and state["series"]["step"] == list(range(steps))
     assert sorted(row["peer"] for row in state["leaderboard"]) == trainers
