@@ -90,8 +90,9 @@ class TrainingBackend(abc.ABC):
     def publish(self, records: List[StepRecord]) -> None:
         """Share this peer's recent step records (collaborative backends only)."""
 
-    def finalize(self) -> None:
-        """Make the model hold the run's final parameters (collaborative: apply the last state averaging)."""
+    def finalize(self, wait: bool = True) -> None:
+        """Make the model hold the run's final parameters (collaborative: apply the last state averaging).
+        ``wait=False``: the peer was stopped by a signal; do not wait for a round still in progress."""
 
     def recover_from_nonfinite_parameters(self) -> None:
         """Parameters became NaN/Inf after a step. Without peers to restore from, stop with a clear error."""
@@ -333,9 +334,11 @@ class CollaborativeBackend(TrainingBackend):
                 f"swarm from the monitor's last checkpoint (it saves finite states only)"
             )
 
-    def finalize(self) -> None:
-        # Wait for the last step's background parameter averaging and copy its result into the model.
-        self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+    def finalize(self, wait: bool = True) -> None:
+        # Wait for the last step's background parameter averaging and copy its result into the model. A peer stopped
+        # by a signal applies that round only if it already finished: its partners are usually being stopped too, so
+        # the round will find no group (hivemind's Optimizer.shutdown still waits for it, up to averaging_timeout)
+        self.optimizer.state_averager.step(wait_for_delayed_updates=wait, apply_delayed_updates=True)
 
     def shutdown(self) -> None:
         # the last step's record is stored in the background; without waiting, a trainer that exits right after

@@ -13,11 +13,16 @@ why the project cannot take it as it is. Nothing else in the repository patches 
    accumulate in the model's own ``.grad`` buffers.
 8. :func:`rsa_private_key_from_der` and :func:`sign_with_identity_key` -- records and tokens are signed with a
    random per-process key unrelated to the peer id.
+9. :func:`quiet_requests_from_exited_processes` -- the DHT logs an ERROR with a traceback for a request whose
+   sender (an averager being shut down) exited before the DHT read it.
+10. :func:`log_groupless_rounds_as_warnings` -- an averaging round that found no partners is logged as an ERROR
+    with a traceback, although the optimizer goes on (and says so) and it is routine when peers leave.
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
 import types
 import warnings
 from typing import Callable, Sequence
@@ -145,3 +150,67 @@ def grad_buffers_for_scaler(uses_grad_scaler: bool, use_local_updates: bool) -> 
     whole step. hivemind forbids it with local updates, which unscale every micro-batch anyway.
     """
     return uses_grad_scaler and not use_local_updates
+
+
+class _RequestFromExitedProcess(logging.Filter):
+    """Rewrites the one record described in :func:`quiet_requests_from_exited_processes` as an INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if record.funcName == "_run" and isinstance(error, (FileNotFoundError, ConnectionError)):
+            frames = traceback.extract_tb(record.exc_info[2])
+            if any(frame.filename.endswith("multiprocessing/resource_sharer.py") for frame in frames):
+                record.msg, record.args = "dropped a DHT request from a process that has already exited", ()
+                record.exc_info, record.exc_text = None, None
+                record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_requests_from_exited_processes() -> None:
+    """Log hivemind's "request from an exited process" as the harmless INFO line it is, not as an ERROR.
+
+    Every hivemind process talks to the DHT process through one pipe; a request carries a future whose reply pipe is
+    pickled as a handle that the DHT process fetches from the *sender's* ``multiprocessing`` resource sharer when it
+    reads the request. An averager being shut down can exit between sending a request and the DHT reading it: the
+    fetch then fails (``FileNotFoundError``, or a refused or reset connection, in ``resource_sharer``), and
+    ``DHT.run`` logs an ERROR with a traceback. Nobody waits for that reply any more, so nothing is lost; the DHT
+    goes on serving. Only that exact record is rewritten: any other error from ``DHT.run`` keeps its level. Called
+    before the DHT process is forked, so the filter is inherited by it.
+    """
+    dht_logger = logging.getLogger("hivemind.dht.dht")
+    if not any(isinstance(existing, _RequestFromExitedProcess) for existing in dht_logger.filters):
+        dht_logger.addFilter(_RequestFromExitedProcess())
+
+
+GROUPLESS_ROUND = "Averaging step failed: could not find a group"
+
+
+class _GrouplessRound(logging.Filter):
+    """Rewrites the record described in :func:`log_groupless_rounds_as_warnings` as a one-line WARNING."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if (
+            record.funcName == "_step"
+            and type(error).__name__ == "AllreduceException"
+            and str(error) == GROUPLESS_ROUND
+        ):
+            record.msg, record.args = "averaging round ended without partners (no group formed in time)", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def log_groupless_rounds_as_warnings() -> None:
+    """Log "could not find a group" as one WARNING line instead of an ERROR with a traceback.
+
+    ``DecentralizedAverager._step`` logs every round that formed no group with ``logger.exception``. Nothing failed
+    inside this peer: the partners did not come in time -- always so for the last round when the whole swarm stops,
+    and for a round in progress when a peer is stopped by a signal. ``hivemind.Optimizer`` reports the outcome
+    itself ("Averaging gradients failed ... Proceeding with local gradients", "Averaging failed with ..."), and the
+    trainer warns when a step used local gradients only, so the record stays visible as a WARNING; any other
+    averaging error keeps its level and traceback.
+    """
+    averager_logger = logging.getLogger("hivemind.averaging.averager")
+    if not any(isinstance(existing, _GrouplessRound) for existing in averager_logger.filters):
+        averager_logger.addFilter(_GrouplessRound())

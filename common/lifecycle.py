@@ -17,13 +17,23 @@ class StopFlag:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.signal_name: Optional[str] = None
+        self._owner_pid = os.getpid()
 
     def install(self) -> "StopFlag":
+        self._owner_pid = os.getpid()
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
         return self
 
     def _handle(self, signum, _frame) -> None:
+        if os.getpid() != self._owner_pid:
+            # A forked child (hivemind's DHT and averager processes) inherits this handler, but nothing there polls
+            # the flag. Ctrl-C reaches the whole terminal's process group: the child ignores it, as the peer shuts
+            # it down in order. SIGTERM comes from hivemind's shutdown when the child did not stop in time: it ends.
+            if signum == signal.SIGTERM:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
         if self._event.is_set():  # a second signal: the user wants out now
             if os.getpgrp() == os.getpid():
                 # a peer started by the launcher leads its own process group: take its hivemind children (DHT,
@@ -57,6 +67,11 @@ def setup_logging(name: str, log_file: Optional[Path] = None, level: int = loggi
         handlers=handlers,
         force=True,
     )
+    # imported here: it imports hivemind, which only the peers' processes need
+    from common.hivemind_compat import log_groupless_rounds_as_warnings, quiet_requests_from_exited_processes
+
+    quiet_requests_from_exited_processes()  # before any DHT or averager process is forked: they inherit the filters
+    log_groupless_rounds_as_warnings()
     for noisy in ("hivemind", "urllib3", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # hivemind.Optimizer's per-step status (how many peers each averaging round had, fallbacks to local gradients)

@@ -20,7 +20,9 @@ from typing import Dict, List, Optional
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 
-RECENT_STEPS_KEPT = 8
+# a peer republishes its last RECENT_STEPS_KEPT step records every step: a monitor that was down for fewer global
+# steps than this (restart included) still finds every step it missed (records are ~200 bytes each)
+RECENT_STEPS_KEPT = 32
 
 
 class StepRecord(pydantic.BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +25,7 @@ from common.peer import read_join_command, start_peer_dht
 from common.task import EXPORT_DIR, ExportFacts
 
 logger = logging.getLogger(__name__)
+CHECKPOINT_RETRY_MAX_SECONDS = 16.0
 
 
 class MetricsLogger:
@@ -120,6 +122,7 @@ class Monitor:
         self.task = task_module.build_task(config, with_data=False)
         self.state_averager: Optional[TrainingStateAverager] = None
         self.last_checkpoint_step = -1
+        self.checkpoint_failures, self.next_checkpoint_attempt = 0, 0.0  # bounded retries with backoff
         if config.monitor.checkpoint_every_steps > 0:
             self.state_averager = TrainingStateAverager(
                 dht=self.dht,
@@ -189,10 +192,22 @@ class Monitor:
         every = self.config.monitor.checkpoint_every_steps
         if self.state_averager is None or self.aggregator.max_seen_step < self.last_checkpoint_step + every:
             return
+        if time.monotonic() < self.next_checkpoint_attempt:
+            return
+        # one attempt asks every peer that declared state, newest first (hivemind); a failed attempt is retried
+        # after 1, 2, 4 ... s (at most CHECKPOINT_RETRY_MAX_SECONDS), not at every poll
         self.state_averager.load_state_from_peers(timeout=self.config.collaboration.load_state_timeout)
         step = self.state_averager.local_epoch
         if step <= self.last_checkpoint_step:
+            self.checkpoint_failures += 1
+            delay = min(CHECKPOINT_RETRY_MAX_SECONDS, 2.0 ** (self.checkpoint_failures - 1))
+            self.next_checkpoint_attempt = time.monotonic() + delay
+            logger.warning(
+                f"no peer served a state newer than global step {self.last_checkpoint_step} for a checkpoint "
+                f"(attempt {self.checkpoint_failures}); retrying in {delay:.0f} s"
+            )
             return
+        self.checkpoint_failures = 0
         if not all(bool(torch.isfinite(param).all()) for param in self.task.model.parameters()):
             logger.error(f"the swarm's state at global step {step} is not finite: not checkpointing it")
             self.last_checkpoint_step = step

@@ -161,7 +161,7 @@ def run_trainer(
             stop=stop,
         )
         summary = trainer.run()
-        backend.finalize()
+        backend.finalize(wait=not stop.is_set())
         torch.save(task.model.state_dict(), output_dir / FINAL_STATE_FILE)
         (output_dir / SUMMARY_FILE).write_text(json.dumps(summary.to_json(), indent=2))
         export_final_model(config, task, trainer, summary, output_dir / EXPORT_DIR)
