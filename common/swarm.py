@@ -103,6 +103,9 @@ def stop_process_group(
         logger.error(f"process {process.pid} did not exit after SIGKILL")
 
 
+LOOPBACK_LISTEN = "network.host_maddrs=[/ip4/127.0.0.1/tcp/0]"
+
+
 class LocalSwarm:
     """Starts and stops peers of one run; use as a context manager so everything is cleaned up."""
 
@@ -148,6 +151,9 @@ class LocalSwarm:
         if initial_peers and self.initial_peers:
             command += ["--initial-peers", *self.initial_peers]
         command += [
+            # every peer of a local swarm is on this machine: loopback keeps it private (a config's default,
+            # all interfaces, is for real runs); emulated hosts and explicit overrides below take precedence
+            *([] if self.host_overrides else [LOOPBACK_LISTEN]),
             *self.overrides,
             f"training.output_dir={output_dir}",
             *(self.host_overrides(name) if self.host_overrides else []),
