@@ -27,7 +27,7 @@ from common.config import NetworkConfig
 from common.dht import start_dht
 from common.errors import PeerError
 from common.peer import ADDRESS_FILE
-from common.swarm import stop_process_group
+from common.swarm import LOOPBACK_LISTEN, stop_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "sahajbert"
@@ -57,6 +57,7 @@ def _overrides(tmp_path: Path, tokenizer_dir: Path, name: str) -> list:
         "training.log_every_seconds=5",
         f"training.output_dir={tmp_path / name}",
         "monitor.metrics_expiration=60",
+        LOOPBACK_LISTEN,  # every peer of this test is on this machine
     ]
 
 
