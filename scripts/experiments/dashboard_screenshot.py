@@ -2,7 +2,7 @@
 
 Runs ``scripts/local_swarm.py`` (the demo: its page is on by default), waits until the monitor has recorded
 ``--after-steps`` global steps, and photographs the page with headless Chromium (Debian's ``chromium``, installed
-by scripts/setup_env.sh); the demo then runs to its end as usual.
+by scripts/setup_env.sh); then it stops the demo (SIGTERM: the launcher stops its peers and writes its report).
 
     python scripts/experiments/dashboard_screenshot.py [--trainers 3] [--aux 1] [--after-steps 12] [key=value ...]
 """
@@ -96,9 +96,8 @@ def main() -> None:
         shot = results / "dashboard.png"
         screenshot(url, shot, width, height)
         logger.info(f"screenshot of {url} at {len(history.read())} recorded steps: {shot}")
-        demo.wait(timeout=1800)
     finally:
-        stop_process_group(demo)
+        stop_process_group(demo, grace_seconds=120.0)
     logger.info(f"the demo ended with exit code {demo.returncode} (log: {log_path})")
 
 
