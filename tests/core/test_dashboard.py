@@ -259,6 +259,7 @@ class HeadlessChromium:
 # What a person sees, read from the rendered page: the numbers on the cards, the leaderboard's rows, and the loss
 # chart as drawn: its SVG line and the markers plotly puts on each point.
 SEEN = """(() => {
+  if (document.readyState !== 'complete' || !document.getElementById('global-step')) return null;  // still loading
   const line = document.querySelector('#chart-loss .scatterlayer path.js-line');
   return JSON.stringify({
     step: document.getElementById('global-step').textContent,
@@ -314,6 +315,9 @@ def test_a_browser_sees_the_live_run(tmp_path, tiny_overrides):
                 seen, first, deadline = None, None, time.monotonic() + 240
                 while time.monotonic() < deadline:
                     result = await call("Runtime.evaluate", expression=SEEN, returnByValue=True)
+                    if result.get("exceptionDetails") or result["result"].get("value") is None:
+                        await asyncio.sleep(0.5)  # the page is still loading (or navigating)
+                        continue
                     seen = json.loads(result["result"]["value"])
                     ready = seen["loss_line"] and len(seen["rows"]) >= 2 and seen["peers"].isdigit()
                     if first is None and ready and int(seen["peers"]) >= 2:
