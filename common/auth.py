@@ -326,13 +326,22 @@ class TLSFiles:
         return context
 
 
+class _QuietHTTPSServer(ThreadingHTTPServer):
+    """Logs a client that fails or drops the TLS handshake (an untrusted certificate, a port scan) as one line,
+    where the standard server prints a traceback to stderr."""
+
+    def handle_error(self, request, client_address) -> None:
+        error = sys.exc_info()[1]
+        logger.info(f"connection from {client_address[0]} ended before a request: {error!r}")
+
+
 class AuthServer:
     """The authorization server over HTTPS (loopback by default), serving from a background thread."""
 
     def __init__(self, service: AuthorizationService, tls: TLSFiles, host: str = "127.0.0.1", port: int = 0):
         handler = type("BoundTokenHandler", (_TokenHandler,), {"service": service})
         context = tls.context()
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd = _QuietHTTPSServer((host, port), handler)
         # the handshake runs on the handler's first read, in the request's own thread: a client that stalls in
         # it cannot hold up the accept loop
         self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True, do_handshake_on_connect=False)
