@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from albert.tokenizer import load_or_train_tokenizer
 from common.config import RunConfig, require
 from common.errors import DataError
 from common.hivemind_compat import prefill_optimizer_state
-from common.pipeline import PlannedBatches
+from common.pipeline import planned_batches
 from common.seeding import stable_seed
 from common.task import Batch, ExportFacts, StepOutput, Task
 from common.timm_optim import timm_optimizer
@@ -164,10 +163,7 @@ class AlbertTask(Task):
         return self.dataset.stream(stream_seed, self.local_batch_size)
 
     def batch_plan(self, stream_seed: int):
-        if self.dataset is None or not hasattr(self.dataset, "plan"):
-            return None  # no data, or streamed text: common.pipeline runs the stream whole in one worker
-        plan = functools.partial(self.dataset.plan, stream_seed, self.local_batch_size)
-        return PlannedBatches(plan, self.dataset.batch)
+        return planned_batches(self.dataset, stream_seed, self.local_batch_size)
 
     def heldout_batches(self, count: int) -> Optional[List[Batch]]:
         if self.config.heldout_fraction == 0 or self.tokenizer is None:

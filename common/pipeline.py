@@ -15,6 +15,7 @@ each batch depends on the documents read so far) runs whole in one worker, ahead
 
 from __future__ import annotations
 
+import functools
 import signal
 from typing import Callable, Iterable, Iterator, Sequence, Tuple
 
@@ -36,6 +37,14 @@ class PlannedBatches(IterableDataset):
         for index, (sample_ids, pass_index) in enumerate(self.plan()):
             if index % workers == me:
                 yield self.build(sample_ids, pass_index)
+
+
+def planned_batches(dataset, stream_seed: int, batch_size: int) -> PlannedBatches | None:
+    """The plan/build split of a dataset that has one (``plan(seed, batch_size)`` and ``batch(ids, pass)``);
+    None for no data or a stream that only runs in order (it then runs whole in one worker)."""
+    if dataset is None or not hasattr(dataset, "plan"):
+        return None
+    return PlannedBatches(functools.partial(dataset.plan, stream_seed, batch_size), dataset.batch)
 
 
 class WholeStream(IterableDataset):

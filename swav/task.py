@@ -7,7 +7,6 @@ freezing and the feature queue follow the **global** step the loop reports throu
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from timm.optim import Lars
 from common.config import RunConfig, require
 from common.errors import ConfigError, DataError
 from common.hivemind_compat import prefill_optimizer_state
-from common.pipeline import PlannedBatches
+from common.pipeline import planned_batches
 from common.task import Batch, StepOutput, Task
 from swav.data import FASHION_MNIST, FASHION_MNIST_DIR, MultiCropDataset, MultiCropSpec, crop_key, open_images
 from swav.model import RESNET50, SMALL_RESNET, SwavModel
@@ -217,10 +216,7 @@ class SwavTask(Task):
         return self.dataset.stream(stream_seed, self.local_batch_size)
 
     def batch_plan(self, stream_seed: int):
-        if self.dataset is None or not hasattr(self.dataset, "plan"):
-            return None  # no data, or streamed text: common.pipeline runs the stream whole in one worker
-        plan = functools.partial(self.dataset.plan, stream_seed, self.local_batch_size)
-        return PlannedBatches(plan, self.dataset.batch)
+        return planned_batches(self.dataset, stream_seed, self.local_batch_size)
 
     def forward(self, model: torch.nn.Module, batch: Batch) -> StepOutput:
         crops = [batch[crop_key(index)] for index in range(self.num_crops)]

@@ -150,3 +150,18 @@ def network_emulation_unavailable() -> str | None:
 def needs_network_namespaces(test):
     reason = network_emulation_unavailable()
     return pytest.mark.skipif(reason is not None, reason=f"network namespaces unavailable: {reason}")(test)
+
+
+def small_albert_config():
+    """An ALBERT small enough to build and train in seconds (unit tests of export and fine-tuning)."""
+    from albert.task import TaskConfig
+
+    return TaskConfig(
+        vocab_size=600,
+        embedding_size=16,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_seq_length=32,
+    )

@@ -7,21 +7,13 @@ import torch
 from transformers import AlbertForPreTraining, AutoTokenizer
 
 from albert.corpus import OFFLINE_WIKIPEDIA, load_documents
-from albert.task import AlbertTask, TaskConfig
+from albert.task import AlbertTask
 from albert.tokenizer import train_unigram_tokenizer
 from common.task import ExportFacts
-from tests.helpers import ROOT, run_script
+from tests.helpers import ROOT, run_script, small_albert_config
 
 TINY_ALBERT = str(ROOT / "configs/albert/tiny.yaml")
-SMALL = TaskConfig(
-    vocab_size=600,
-    embedding_size=16,
-    hidden_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    intermediate_size=64,
-    max_seq_length=32,
-)
+SMALL = small_albert_config()
 FACTS = ExportFacts(
     run_id="export_test",
     global_step=7,

@@ -15,18 +15,11 @@ from albert.sahajbert.downstream import (
     mention_examples,
     summarise,
 )
-from albert.task import TaskConfig, build_model
+from albert.task import build_model
 from albert.tokenizer import train_unigram_tokenizer
+from tests.helpers import small_albert_config
 
-TINY = TaskConfig(
-    vocab_size=600,
-    embedding_size=16,
-    hidden_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    intermediate_size=64,
-    max_seq_length=32,
-)
+TINY = small_albert_config()
 SETTINGS = FinetuneSettings(
     epochs=2, batch_size=16, learning_rate=3e-3, max_length=32, max_train_examples=96, max_eval_examples=48
 )
