@@ -165,3 +165,19 @@ def small_albert_config():
         intermediate_size=64,
         max_seq_length=32,
     )
+
+
+# Settings under which collaborative peers must equal one process replaying their samples (sync equivalence).
+EQUIVALENCE_OVERRIDES = [
+    "collaboration.expected_peers=2",
+    "collaboration.compression=none",
+    "collaboration.semantics=sync",
+    "training.local_batch_size=16",
+    "debug.record_sample_ids=true",
+    "task.warmup_steps=1",
+    # dropout draws from each process's own RNG; equivalence is about the optimisation, so no dropout
+    "task.classifier_dropout_prob=0.0",
+    # a peer still finishing its micro-batch when the round starts must not be dropped from it
+    "collaboration.matchmaking_time=4.0",
+    "collaboration.averaging_timeout=60",
+]

@@ -17,6 +17,7 @@ from common.config import load_config
 from common.swarm import LocalSwarm
 from tests.core.test_swarm import degraded_rounds
 from tests.helpers import (
+    EQUIVALENCE_OVERRIDES,
     PYTHON,
     ROOT,
     TINY_ALBERT,
@@ -47,15 +48,7 @@ def test_fp16_sync_swarm_with_an_overflow_equals_single_process_and_every_peer_s
         "debug.inject_overflow_at_step=1",  # both peers: their first micro-batch of step 1 overflows
         f"training.max_global_steps={steps}",
         f"collaboration.target_batch_size={target}",
-        "collaboration.expected_peers=2",
-        "collaboration.compression=none",
-        "collaboration.semantics=sync",
-        "training.local_batch_size=16",
-        "debug.record_sample_ids=true",
-        "task.warmup_steps=1",
-        "task.classifier_dropout_prob=0.0",
-        "collaboration.matchmaking_time=4.0",
-        "collaboration.averaging_timeout=60",
+        *EQUIVALENCE_OVERRIDES,
     ]
     trainers = ["trainer0", "trainer1"]
     with LocalSwarm(TINY_ALBERT, tmp_path, overrides) as swarm:

@@ -13,6 +13,7 @@ from common.config import load_config
 from common.report import build_report, format_report
 from common.swarm import LocalSwarm
 from tests.helpers import (
+    EQUIVALENCE_OVERRIDES,
     FP16_TOLERANCE,
     ROOT,
     assert_no_processes_left,
@@ -101,17 +102,7 @@ def test_sync_collaboration_equals_single_process_on_the_same_samples(tmp_path, 
         *tiny_overrides,
         f"training.max_global_steps={steps}",
         f"collaboration.target_batch_size={target}",
-        "collaboration.expected_peers=2",
-        "collaboration.compression=none",
-        "collaboration.semantics=sync",
-        "training.local_batch_size=16",
-        "debug.record_sample_ids=true",
-        "task.warmup_steps=1",
-        # dropout draws from each process's own RNG; equivalence is about the optimisation, so no dropout
-        "task.classifier_dropout_prob=0.0",
-        # a peer still finishing its micro-batch when the round starts must not be dropped from it
-        "collaboration.matchmaking_time=4.0",
-        "collaboration.averaging_timeout=60",
+        *EQUIVALENCE_OVERRIDES,
     ]
     trainers = ["trainer0", "trainer1"]
     # A run in which hivemind logged a degraded round (seen once in a full CI run on 2 loaded cores: a reducer's
