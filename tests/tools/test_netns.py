@@ -119,7 +119,7 @@ def test_rate_limited_link_measures_within_15_percent_of_its_limit(tmp_path, no_
     result = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "measure_link.py"),
+            str(ROOT / "scripts" / "experiments" / "measure_link.py"),
             "--upload-mbit",
             "40",
             "--download-mbit",
