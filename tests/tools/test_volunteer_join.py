@@ -54,8 +54,9 @@ def _start(prefix: list, command: str, log: Path) -> subprocess.Popen:
 
 
 def _stop(process: subprocess.Popen, timeout: float = 30) -> int:
+    """SIGTERM to the peer itself, as the launcher stops a peer; its hivemind children go with its shutdown."""
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
+        os.kill(process.pid, signal.SIGTERM)
     try:
         return process.wait(timeout)
     except subprocess.TimeoutExpired:
