@@ -34,6 +34,20 @@ from common.errors import UserError
 
 logger = logging.getLogger(__name__)
 
+# How to open the page in a headless Chromium on a machine without internet: the background-networking switches
+# stop Chromium calling home (offline, those connections are refused), the rest keep a throwaway profile quiet
+# and sandbox-free (as root). Used by the page's browser test and the screenshot script.
+HEADLESS_CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
 STATIC_DIR = Path(__file__).resolve().parent / "dashboard_static"
 MAX_POINTS = 1000  # the charts keep between MAX_POINTS and 2 x MAX_POINTS points, however long the run
 MAX_IN_FLIGHT = 64  # requests served at once; more get 503 at once instead of queueing behind each other

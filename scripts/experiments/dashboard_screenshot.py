@@ -18,7 +18,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
-from common.dashboard import URL_FILE
+from common.dashboard import HEADLESS_CHROMIUM_FLAGS, URL_FILE
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.metrics import HistoryWriter
@@ -26,18 +26,7 @@ from common.swarm import ROOT, stop_process_group
 
 logger = logging.getLogger("dashboard_screenshot")
 CONFIG = "configs/albert/tiny.yaml"
-# Chromium offline: no calls home (refused connections otherwise), a throwaway profile, no sandbox (root)
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--hide-scrollbars",
-]
+CHROMIUM_FLAGS = [*HEADLESS_CHROMIUM_FLAGS, "--hide-scrollbars"]
 
 
 def screenshot(url: str, path: Path, width: int, height: int) -> None:

@@ -21,25 +21,13 @@ import aiohttp
 import pytest
 
 from common.config import load_config
-from common.dashboard import URL_FILE, Dashboard, DashboardServer, StepSeries
+from common.dashboard import HEADLESS_CHROMIUM_FLAGS, URL_FILE, Dashboard, DashboardServer, StepSeries
 from common.errors import ConfigError, UserError
 from common.swarm import LocalSwarm
 from tests.helpers import ROOT, TINY_ALBERT, assert_no_processes_left, read_jsonl
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-# without the background-networking switches Chromium tries to reach Google's services and, offline, its own
-# connections get refused; the rest keep a throwaway profile quiet and sandbox-free (tests run as root)
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1400,1800",
-]
+CHROMIUM_FLAGS = [*HEADLESS_CHROMIUM_FLAGS, "--window-size=1400,1800"]
 
 
 def history_entry(step: int, time_: float, loss: float = 5.0, metrics=None) -> dict:
