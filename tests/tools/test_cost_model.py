@@ -1,8 +1,6 @@
 """Cost/time model: the averaging-time formula against hand-computed cases, predictions, configs, validation CLI."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +27,7 @@ from common.tools.cost_model import (
     swarm_averaging_seconds,
     validate_against_history,
 )
+from tests.helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 MEGABYTE = 1_000_000  # vector bytes in the hand-computed cases: 8e6 bits
@@ -274,24 +273,19 @@ def test_validate_cli_on_a_run_folder(tmp_path):
             json.dumps({"peer_name": name, "samples": 400, "samples_per_second": 50.0})
         )
     report_path = tmp_path / "report.json"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts/experiments/cost_model.py"),
-            "validate",
-            "--run-dir",
-            str(run),
-            "--bandwidth-mbps",
-            "1000",
-            "--parameters",
-            "1000000",
-            "--config",
-            str(ROOT / "configs/albert/tiny.yaml"),
-            "--output",
-            str(report_path),
-        ],
-        capture_output=True,
-        text=True,
+    completed = run_script(
+        "scripts/experiments/cost_model.py",
+        "validate",
+        "--run-dir",
+        str(run),
+        "--bandwidth-mbps",
+        "1000",
+        "--parameters",
+        "1000000",
+        "--config",
+        str(ROOT / "configs/albert/tiny.yaml"),
+        "--output",
+        str(report_path),
         timeout=110,
     )
     assert completed.returncode == 0, completed.stderr
@@ -299,42 +293,32 @@ def test_validate_cli_on_a_run_folder(tmp_path):
     assert report["trainer_samples_per_second"] == {"a": 50.0, "b": 50.0, "c": 50.0}
     assert report["measured_step_seconds"] == pytest.approx(4.0)
     assert report["bytes_per_parameter"] == 2.0 and report["semantics"] == "sync"  # from the tiny config (fp16)
-    fitted = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts/experiments/cost_model.py"),
-            "validate",
-            "--run-dir",
-            str(run),
-            "--bandwidth-mbps",
-            "1000",
-            "--parameters",
-            "1000000",
-            "--calibrate-on",
-            str(run),
-            "--output",
-            str(report_path),
-        ],
-        capture_output=True,
-        text=True,
+    fitted = run_script(
+        "scripts/experiments/cost_model.py",
+        "validate",
+        "--run-dir",
+        str(run),
+        "--bandwidth-mbps",
+        "1000",
+        "--parameters",
+        "1000000",
+        "--calibrate-on",
+        str(run),
+        "--output",
+        str(report_path),
         timeout=110,
     )
     assert fitted.returncode == 0, fitted.stderr
     report = json.loads(report_path.read_text())  # fitted on the same run: it predicts that run exactly
     assert report["relative_error"] == pytest.approx(0.0, abs=1e-9)
     assert report["calibration"]["round_overhead_seconds"] == pytest.approx(report["round_overhead_seconds"])
-    missing = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts/experiments/cost_model.py"),
-            "validate",
-            "--run-dir",
-            str(tmp_path / "nothing"),
-            "--bandwidth-mbps",
-            "1000",
-        ],
-        capture_output=True,
-        text=True,
+    missing = run_script(
+        "scripts/experiments/cost_model.py",
+        "validate",
+        "--run-dir",
+        str(tmp_path / "nothing"),
+        "--bandwidth-mbps",
+        "1000",
         timeout=110,
     )
     assert missing.returncode == 2
