@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ TINY_ALBERT = str(ROOT / "configs/albert/tiny.yaml")
 
 from common.backends import SingleProcessBackend  # noqa: E402  (conftest puts the repository on sys.path)
 from common.config import RunConfig, load_config  # noqa: E402
+from common.tools.comparison import free_port  # noqa: E402
 
 # How far fp16 wire compression may leave trainers apart (2 x lr with LAMB; the reasoning is in tiny.yaml).
 FP16_TOLERANCE = load_config(TINY_ALBERT).collaboration.agreement_tolerance
@@ -64,12 +64,6 @@ def read_jsonl(path: Path) -> List[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def read_step_logs(paths: List[Path]) -> List[dict]:
