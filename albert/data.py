@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,9 +135,11 @@ def load_or_build_examples(path: Path, build) -> Dict[str, torch.Tensor]:
         return torch.load(path)
     examples = build()
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
+    # one temporary file per process: peers building the same cache at once each rename their own, atomically,
+    # so none reads a half-written cache and none finds its temporary file already renamed by another
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
     torch.save(examples, temporary)
-    temporary.replace(path)  # atomic: concurrent peers never read a half-written cache
+    temporary.replace(path)
     return examples
 
 
