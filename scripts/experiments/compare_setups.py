@@ -80,7 +80,8 @@ def parse_arguments():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
     )
     parser.add_argument("--config", default="configs/albert/tiny.yaml")
-    parser.add_argument("--workers", type=int, default=2, help="DDP workers = collaborative trainers")
+    parser.add_argument("--workers", type=int, default=2, help="DDP workers (and collaborative trainers by default)")
+    parser.add_argument("--trainers", type=int, default=None, help="collaborative trainers (default: --workers)")
     parser.add_argument("--reduced", action="store_true", help="few steps on a small corpus (CI)")
     parser.add_argument(
         "--setups",
@@ -131,8 +132,9 @@ def main() -> None:
     args = parse_arguments()
     setup_logging("compare")
     torch.set_num_threads(1)
-    if args.workers < 2:
-        raise ConfigError("--workers must be >= 2 (a baseline and a swarm need at least two workers)")
+    trainers = args.trainers or args.workers
+    if min(args.workers, trainers) < 2:
+        raise ConfigError("--workers and --trainers must be >= 2 (a baseline and a swarm need at least two workers)")
     overrides = [*COMMON_OVERRIDES, *(REDUCED_OVERRIDES if args.reduced else FULL_OVERRIDES), *args.overrides]
     config = load_config(args.config, overrides)  # fail fast, before any process starts
     target, local_batch = config.collaboration.target_batch_size, config.training.local_batch_size
@@ -151,14 +153,15 @@ def main() -> None:
     steps = config.training.max_global_steps
     logger.info(
         f"comparing {', '.join(setup.name for setup in setups)}: {steps} global steps x {target} samples, "
-        f"{args.workers} workers/trainers, seed {config.training.seed}"
+        f"{args.workers} DDP workers, {trainers} trainers, seed {config.training.seed}"
     )
 
     started, load_before = datetime.now(timezone.utc), os.getloadavg()
     finished_runs = []
     for index, setup in enumerate(setups, start=1):
         logger.info(f"[{index}/{len(setups)}] {setup.name}: launching (load average {load_text(os.getloadavg())})")
-        run = run_setup(setup, args.config, overrides, runs / setup.name, args.workers, steps, args.timeout, stop)
+        workers = trainers if setup.kind == "collaborative" else args.workers
+        run = run_setup(setup, args.config, overrides, runs / setup.name, workers, steps, args.timeout, stop)
         logger.info(f"[{index}/{len(setups)}] {setup.name}: done in {run.finished - run.launched:.0f} s")
         finished_runs.append(run)
     load_after = os.getloadavg()
@@ -178,7 +181,7 @@ def main() -> None:
     plot_curves(
         curves,
         output / "loss_curves.png",
-        f"tiny ALBERT, {steps} steps x {target} samples, {args.workers} workers/trainers",
+        f"tiny ALBERT, {steps} steps x {target} samples, {args.workers} DDP workers, {trainers} trainers",
     )
     command = " ".join(
         shlex.quote(part)
@@ -192,7 +195,7 @@ def main() -> None:
         f"- Machine: {machine_description()}; container. Load average (1/5/15 min) {load_text(load_before)} before "
         f"and {load_text(load_after)} after: other jobs shared the cores unless these are below 1.\n"
         f"- Config: `{args.config}` with overrides `{' '.join(overrides)}`; {steps} global steps x {target} samples "
-        f"= {steps * target} samples per setup; {args.workers} DDP workers (gloo) / collaborative trainers "
+        f"= {steps * target} samples per setup; {args.workers} DDP workers (gloo), {trainers} collaborative trainers "
         f"(+ 1 monitor, no auxiliary peer); seed {config.training.seed} everywhere.\n"
         f"- eval loss: each setup's final model (single: the process; ddp: worker 0; collaborative: trainer0) on the "
         f"same {eval_batches} micro-batches of {local_batch} from {evaluation_data}. "
