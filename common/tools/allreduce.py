@@ -365,7 +365,12 @@ def run_setup(setup: NetworkSetup, conditions: List[Condition], args) -> List[di
             data_ranks[host.name] = len(data_ranks)
     if args.rtt_ms:  # every host delays what it sends by half the round trip
         hosts = [replace(host, delay_ms=args.rtt_ms / 2) for host in hosts]
-    network = EmulatedNetwork(hosts, queue_ms=args.queue_ms, congestion_control=args.congestion_control)
+    network = EmulatedNetwork(
+        hosts,
+        queue_ms=args.queue_ms,
+        congestion_control=args.congestion_control,
+        notsent_lowat_bytes=args.notsent_lowat,
+    )
     with network, TemporaryDirectory() as workdir:
         workdir = Path(workdir)
         results_file, publish_file = workdir / "rounds.jsonl", workdir / "bootstrap_addresses.txt"
@@ -433,7 +438,13 @@ def run_setup(setup: NetworkSetup, conditions: List[Condition], args) -> List[di
     rows, peer_rows = [], []
     for condition in conditions:
         row = summarise(setup, hosts, condition, records, args.rounds)
-        row.update(variant=args.variant, rtt_ms=args.rtt_ms, queue_ms=args.queue_ms, tcp=args.congestion_control)
+        row.update(
+            variant=args.variant,
+            rtt_ms=args.rtt_ms,
+            queue_ms=args.queue_ms,
+            tcp=args.congestion_control,
+            notsent_lowat=args.notsent_lowat,
+        )
         row["matchmaking_s_median"] = median_matchmaking(condition, records, args.rounds)
         rows.append(row)
         peer_rows.extend(

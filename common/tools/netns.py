@@ -219,14 +219,25 @@ class EmulatedNetwork:
     interpreter exit; ``cleanup_orphaned()`` removes what a SIGKILLed owner left behind.
     """
 
-    def __init__(self, hosts: Sequence[HostSpec], queue_ms: float = 100.0, congestion_control: str = ""):
+    def __init__(
+        self,
+        hosts: Sequence[HostSpec],
+        queue_ms: float = 100.0,
+        congestion_control: str = "",
+        notsent_lowat_bytes: int = 0,
+    ):
         """``queue_ms``: the longest a packet waits in a capped link's queue (tbf ``latency``); a full upload queue
         also delays the ACKs of what the host downloads. ``congestion_control``: TCP's algorithm in every host
-        namespace ("" = the kernel default, bbr on this machine)."""
+        namespace ("" = the kernel default, bbr on this machine). ``notsent_lowat_bytes``: the most not-yet-sent
+        bytes a TCP socket in a host namespace may hold (``net.ipv4.tcp_notsent_lowat``; 0 = the kernel's default,
+        unlimited): a bulk upload otherwise parks megabytes in the socket, and whatever the application writes
+        after them on the same connection (libp2p multiplexes every stream and its flow-control frames over one
+        connection per peer pair) waits until they have drained through the slow link."""
         if not hosts:
             raise ValueError("EmulatedNetwork needs at least one host")
         self.hosts = list(hosts)
         self.queue_ms, self.congestion_control = queue_ms, congestion_control
+        self.notsent_lowat_bytes = notsent_lowat_bytes
         self.prefix = f"{NAMESPACE_PREFIX}{os.getpid()}-{secrets.token_hex(2)}-"
         self.bridge_namespace = f"{self.prefix}br"
         self.namespaces = [f"{self.prefix}{index}" for index in range(len(self.hosts))]
@@ -367,6 +378,11 @@ class EmulatedNetwork:
                 _run(
                     ["ip", "netns", "exec", namespace, "sysctl", "-qw"]
                     + [f"net.ipv4.tcp_congestion_control={self.congestion_control}"]
+                )
+            if self.notsent_lowat_bytes:
+                _run(
+                    ["ip", "netns", "exec", namespace, "sysctl", "-qw"]
+                    + [f"net.ipv4.tcp_notsent_lowat={self.notsent_lowat_bytes}"]
                 )
             if host.delay_ms > 0:
                 self._add_delay_line(index, port)

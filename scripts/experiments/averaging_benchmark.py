@@ -79,6 +79,12 @@ def main() -> None:
     parser.add_argument(
         "--rtt-ms", type=float, default=0.0, help="added round-trip time between hosts (each delays sends by half)"
     )
+    parser.add_argument(
+        "--notsent-lowat",
+        type=int,
+        default=0,
+        help="TCP's limit on not-yet-sent bytes per socket in every host namespace (0 = kernel default: unlimited)",
+    )
     parser.add_argument("--pin-cpus", action="store_true", help="pin each host's processes to one core (taskset)")
     parser.add_argument("--variant", default="", help="a label for this run's rows (hypothesis tests)")
     parser.add_argument("--output-dir", type=Path, default=Path("paper_results/network"))
