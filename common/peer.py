@@ -6,7 +6,7 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import hivemind
 import torch
@@ -15,11 +15,13 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.auth import AuthorizerBase
 
 from common import startup
+from common.auth import authorize
 from common.bandwidth import bandwidth_for_averager, measure_link_to_initial_peer, serve_bandwidth_probe
 from common.config import CONFIG_KEYS_HELP, Backend, RunConfig, load_config, to_container, to_yaml
 from common.dht import join_command, start_dht, visible_multiaddrs
 from common.hivemind_compat import sign_with_identity_key
 from common.identity import IDENTITY_FILE, PeerIdentity, load_identity
+from common.lifecycle import StopFlag, setup_logging
 from common.metrics import make_validators
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,16 @@ def parse_role_arguments(
         identity=identity,
         name_given=args.name is not None,
     )
+
+
+def run_moderated_role(role: str, run: Callable[..., None]) -> None:
+    """The command line of a peer that may serve a moderated run (``monitor``, ``auxiliary``): SIGINT/SIGTERM stop
+    it cleanly, its arguments, config and identity are read, its log lines carry its name, and with ``--auth-server``
+    it signs in before ``run(config, config_path, stop, authorizer)`` plays the role (authorizer None otherwise)."""
+    stop = StopFlag().install()
+    args = parse_role_arguments(role, moderated=True)
+    setup_logging(args.name)
+    run(args.config, args.config_path, stop, authorize(args.auth_server, args.auth_ca))
 
 
 def _looks_like_override(item: str) -> bool:

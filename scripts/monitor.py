@@ -5,19 +5,14 @@ self-signed); credentials come from $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a pro
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
-from common.auth import authorize
 from common.errors import exit_on_user_error
-from common.lifecycle import StopFlag, setup_logging
-from common.peer import parse_role_arguments
+from common.peer import run_moderated_role
 from common.roles.monitor import run_monitor
 
 
 @exit_on_user_error
 def main() -> None:
-    stop = StopFlag().install()
-    args = parse_role_arguments("monitor", moderated=True)
-    setup_logging(args.name)
-    run_monitor(args.config, args.config_path, stop, authorize(args.auth_server, args.auth_ca))
+    run_moderated_role("monitor", run_monitor)
 
 
 if __name__ == "__main__":
