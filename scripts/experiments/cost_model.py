@@ -200,29 +200,30 @@ def command_validate(args: argparse.Namespace) -> None:
         bytes_per_parameter = WIRE_BYTES[collaboration.compression]
         average_state_every, semantics = collaboration.average_state_every, collaboration.semantics
     peers = _emulated_peers(Path(args.network_setup), args.bandwidth_mbps) if args.network_setup else None
+
+    def validate(recorded: List[dict], overhead: float):
+        """The model's step time for this run's inputs, set against a recorded history."""
+        return validate_against_history(
+            recorded,
+            rates,
+            parameters=parameters,
+            bytes_per_parameter=bytes_per_parameter,
+            bandwidth_mbps=args.bandwidth_mbps,
+            round_overhead_seconds=overhead,
+            average_state_every=average_state_every,
+            semantics=semantics,
+            auxiliary_peers=args.auxiliary_peers,
+            peers=peers,
+        )
+
     round_overhead = args.round_overhead_seconds
     calibration = None
     if args.calibrate_on:  # this machine's inputs fitted on other runs, so this run's error is out of sample
-
-        def validate_run(directory: str, overhead: float):
-            return validate_against_history(
-                _read_history(Path(directory)),
-                rates,
-                parameters=parameters,
-                bytes_per_parameter=bytes_per_parameter,
-                bandwidth_mbps=args.bandwidth_mbps,
-                round_overhead_seconds=overhead,
-                average_state_every=average_state_every,
-                semantics=semantics,
-                auxiliary_peers=args.auxiliary_peers,
-                peers=peers,
-            )
-
-        fitted_runs = [validate_run(directory, 0.0) for directory in args.calibrate_on]
+        fitted_histories = [_read_history(Path(directory)) for directory in args.calibrate_on]
+        fitted_runs = [validate(fitted, 0.0) for fitted in fitted_histories]
         if len(fitted_runs) == 1:  # throughput from --throughput-dir, overhead fitted
-            directory = args.calibrate_on[0]
             round_overhead = fit_round_overhead(
-                lambda overhead: validate_run(directory, overhead).predicted_step_seconds,
+                lambda overhead: validate(fitted_histories[0], overhead).predicted_step_seconds,
                 fitted_runs[0].measured_step_seconds,
             )
         else:  # throughput and overhead both fitted
@@ -240,18 +241,7 @@ def command_validate(args: argparse.Namespace) -> None:
             f"calibrated on {', '.join(args.calibrate_on)}: {round_overhead:.3f} s per averaging round, "
             f"swarm throughput {sum(rates.values()):.1f} samples/s"
         )
-    validation = validate_against_history(
-        history,
-        rates,
-        parameters=parameters,
-        bytes_per_parameter=bytes_per_parameter,
-        bandwidth_mbps=args.bandwidth_mbps,
-        round_overhead_seconds=round_overhead,
-        average_state_every=average_state_every,
-        semantics=semantics,
-        auxiliary_peers=args.auxiliary_peers,
-        peers=peers,
-    )
+    validation = validate(history, round_overhead)
     report = {
         **validation.to_json(),
         "history": str(_history_path(run_dir)),

@@ -273,53 +273,22 @@ def test_validate_cli_on_a_run_folder(tmp_path):
             json.dumps({"peer_name": name, "samples": 400, "samples_per_second": 50.0})
         )
     report_path = tmp_path / "report.json"
-    completed = run_script(
-        "scripts/experiments/cost_model.py",
-        "validate",
-        "--run-dir",
-        str(run),
-        "--bandwidth-mbps",
-        "1000",
-        "--parameters",
-        "1000000",
-        "--config",
-        str(ROOT / "configs/albert/tiny.yaml"),
-        "--output",
-        str(report_path),
-        timeout=110,
-    )
+
+    def validate(*options: str):
+        return run_script("scripts/experiments/cost_model.py", "validate", *options, timeout=110)
+
+    measured = ["--bandwidth-mbps", "1000", "--parameters", "1000000", "--output", str(report_path)]
+    completed = validate("--run-dir", str(run), *measured, "--config", str(ROOT / "configs/albert/tiny.yaml"))
     assert completed.returncode == 0, completed.stderr
     report = json.loads(report_path.read_text())
     assert report["trainer_samples_per_second"] == {"a": 50.0, "b": 50.0, "c": 50.0}
     assert report["measured_step_seconds"] == pytest.approx(4.0)
     assert report["bytes_per_parameter"] == 2.0 and report["semantics"] == "sync"  # from the tiny config (fp16)
-    fitted = run_script(
-        "scripts/experiments/cost_model.py",
-        "validate",
-        "--run-dir",
-        str(run),
-        "--bandwidth-mbps",
-        "1000",
-        "--parameters",
-        "1000000",
-        "--calibrate-on",
-        str(run),
-        "--output",
-        str(report_path),
-        timeout=110,
-    )
+    fitted = validate("--run-dir", str(run), *measured, "--calibrate-on", str(run))
     assert fitted.returncode == 0, fitted.stderr
     report = json.loads(report_path.read_text())  # fitted on the same run: it predicts that run exactly
     assert report["relative_error"] == pytest.approx(0.0, abs=1e-9)
     assert report["calibration"]["round_overhead_seconds"] == pytest.approx(report["round_overhead_seconds"])
-    missing = run_script(
-        "scripts/experiments/cost_model.py",
-        "validate",
-        "--run-dir",
-        str(tmp_path / "nothing"),
-        "--bandwidth-mbps",
-        "1000",
-        timeout=110,
-    )
+    missing = validate("--run-dir", str(tmp_path / "nothing"), "--bandwidth-mbps", "1000")
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines()[-1].startswith("error: no history.jsonl")
