@@ -23,12 +23,12 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from albert.sahajbert.downstream import (
+    METRIC,
     SEQUENCE_TASKS,
     TOKEN_TASKS,
     FinetuneSettings,
     finetune_one_seed,
-    load_sequence_task,
-    load_token_task,
+    load_task,
     summarise,
 )
 from albert.task import build_dataset, build_model
@@ -72,14 +72,7 @@ def main() -> None:
     if args.seeds < 1:
         raise ConfigError("--seeds must be >= 1")
     try:
-        settings = FinetuneSettings(
-            epochs=args.epochs,
-            batch_size=args.batch_size,
-            learning_rate=args.learning_rate,
-            max_length=args.max_length,
-            max_train_examples=args.max_train_examples,
-            max_eval_examples=args.max_eval_examples,
-        )
+        settings = FinetuneSettings.from_arguments(args)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     setup_logging("finetune")
@@ -99,8 +92,7 @@ def main() -> None:
         if not Path(args.checkpoint).is_file():
             raise DataError(f"checkpoint not found: {args.checkpoint}")
         pretrained = torch.load(args.checkpoint, map_location="cpu")
-    kind = "token" if args.task in TOKEN_TASKS else "sequence"
-    splits = (load_token_task if kind == "token" else load_sequence_task)(args.task, seed=0)
+    kind, splits = load_task(args.task, seed=0)
     logger.info(
         f"{args.task}: {len(splits.train)} train / {len(splits.validation)} validation / "
         f"{len(splits.test)} test examples, {len(splits.labels)} labels"
@@ -111,7 +103,7 @@ def main() -> None:
     ]
     summary = {
         "task": args.task,
-        "metric": "seqeval_f1" if kind == "token" else "accuracy",
+        "metric": METRIC[kind],
         "config": args.config,
         "checkpoint": args.checkpoint,
         "model": args.model,

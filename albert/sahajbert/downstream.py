@@ -19,7 +19,7 @@ import random
 import re
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 TOKEN_TASKS = {"wikiann_bn": ("wikiann", "bn"), "wiki_mentions": None}
 SEQUENCE_TASKS = {"sna_bn": ("ai4bharat/indic_glue", "sna.bn"), "wiki_topic": None}
+METRIC = {"token": "seqeval_f1", "sequence": "accuracy"}  # what a task of each kind is scored by
 MENTION_TAGS = ["O", "B-LINK", "I-LINK"]
 GENSIM_WIKI_DUMP = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 LINK = re.compile(r"\[\[([^\[\]|]+)(?:\|([^\[\]]*))?\]\]")
@@ -160,6 +161,13 @@ def load_sequence_task(name: str, seed: int) -> Splits:
     return Splits(convert("train"), convert("validation"), convert("test"), labels)
 
 
+def load_task(name: str, seed: int) -> Tuple[str, Splits]:
+    """A downstream task's kind (``token`` or ``sequence``, the key of ``METRIC``) and its splits."""
+    if name in TOKEN_TASKS:
+        return "token", load_token_task(name, seed)
+    return "sequence", load_sequence_task(name, seed)
+
+
 def encode_tokens(tokenizer: PreTrainedTokenizerFast, examples, max_length: int) -> Dict[str, torch.Tensor]:
     """Word-level tags on each word's first piece; other pieces and specials are ignored (-100)."""
     encoded = tokenizer(
@@ -201,6 +209,13 @@ class FinetuneSettings:
     max_length: int = 64
     max_train_examples: Optional[int] = None
     max_eval_examples: Optional[int] = None
+
+    @classmethod
+    def from_arguments(cls, arguments, **given) -> "FinetuneSettings":
+        """The settings a parsed command line names (its options spelled like the fields), then ``given``; the
+        rest keep their defaults."""
+        names = {field.name for field in fields(cls)}
+        return cls(**{name: value for name, value in vars(arguments).items() if name in names}, **given)
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.learning_rate <= 0 or self.max_length < 8:

@@ -19,14 +19,7 @@ import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from albert.sahajbert.downstream import (
-    TOKEN_TASKS,
-    FinetuneSettings,
-    finetune_one_seed,
-    load_sequence_task,
-    load_token_task,
-    summarise,
-)
+from albert.sahajbert.downstream import METRIC, FinetuneSettings, finetune_one_seed, load_task, summarise
 from common.errors import ConfigError, DataError, exit_on_user_error
 from common.lifecycle import setup_logging
 
@@ -73,19 +66,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(first)
     shape = AutoConfig.from_pretrained(first)
     max_length = min(shape.max_position_embeddings, 64)
-    settings = FinetuneSettings(
-        epochs=args.epochs,
-        batch_size=32,
-        learning_rate=args.learning_rate,
-        max_length=max_length,
-        max_train_examples=args.max_train_examples,
-        max_eval_examples=args.max_eval_examples,
-    )
+    settings = FinetuneSettings.from_arguments(args, batch_size=32, max_length=max_length)
     started = time.time()
     results = {"settings": vars(settings), "models": {**models, RANDOM_INIT: f"{first} (config only)"}, "tasks": {}}
     for task in args.tasks:
-        kind = "token" if task in TOKEN_TASKS else "sequence"
-        splits = (load_token_task if kind == "token" else load_sequence_task)(task, seed=0)
+        kind, splits = load_task(task, seed=0)
         rows = {}
         for label, folder in [*models.items(), (RANDOM_INIT, None)]:
             runs = [
@@ -94,7 +79,7 @@ def main() -> None:
             ]
             rows[label] = summarise(runs)
             logger.info(f"{task} {label}: {100 * rows[label]['test_mean']:.2f} +- {100 * rows[label]['test_std']:.2f}")
-        results["tasks"][task] = {"metric": "seqeval_f1" if kind == "token" else "accuracy", "rows": rows}
+        results["tasks"][task] = {"metric": METRIC[kind], "rows": rows}
     results["seconds"] = round(time.time() - started, 1)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

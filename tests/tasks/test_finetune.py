@@ -1,17 +1,18 @@
 """Downstream fine-tuning: substitute task construction, checkpoint loading, and end-to-end runs on small splits."""
 
+import argparse
 from dataclasses import replace
 
 import pytest
 import torch
 
 from albert.sahajbert.downstream import (
+    METRIC,
     FinetuneSettings,
     Splits,
     build_classifier,
     finetune_one_seed,
-    load_sequence_task,
-    load_token_task,
+    load_task,
     mention_examples,
     summarise,
 )
@@ -27,18 +28,28 @@ SETTINGS = FinetuneSettings(
 
 @pytest.fixture(scope="module")
 def topic_splits() -> Splits:
-    return load_sequence_task("wiki_topic", seed=0)
+    kind, splits = load_task("wiki_topic", seed=0)
+    assert METRIC[kind] == "accuracy"  # one topic per text
+    return splits
 
 
 @pytest.fixture(scope="module")
 def mention_splits() -> Splits:
-    return load_token_task("wiki_mentions", seed=0)
+    kind, splits = load_task("wiki_mentions", seed=0)
+    assert METRIC[kind] == "seqeval_f1"  # one tag per word
+    return splits
 
 
 @pytest.fixture(scope="module")
 def tokenizer(topic_splits):
     torch.set_num_threads(1)
     return train_unigram_tokenizer((text for text, _ in topic_splits.train[:300]), TINY.vocab_size)
+
+
+def test_settings_take_the_options_a_command_line_names_and_defaults_for_the_rest():
+    arguments = argparse.Namespace(epochs=2, learning_rate=3e-3, seeds=5, max_train_examples=None)
+    settings = FinetuneSettings.from_arguments(arguments, max_length=16)
+    assert settings == FinetuneSettings(epochs=2, learning_rate=3e-3, max_length=16)
 
 
 def test_link_anchors_become_mention_tags():
