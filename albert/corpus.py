@@ -62,25 +62,31 @@ def wikitext_documents(lines: List[str]) -> List[str]:
 
 def load_hub_or_local_text(dataset: str, dataset_config: Optional[str], split: str = "train") -> List[str]:
     """Lines of text from a local file/folder (.txt/.json/.jsonl/.parquet with a ``text`` field) or a hub name."""
-    import datasets  # heavy import, only for full-scale paths
-
     path = Path(dataset)
     if dataset.startswith((".", "/", "~")) and not path.exists():
         raise DataError(f"data path not found: {dataset}")
     if path.exists():
         loaded = _load_local_text(path, split)
     else:
-        try:
-            loaded = datasets.load_dataset(dataset, dataset_config, split=split)
-        except Exception as error:  # hub/network errors come in many types
-            detail = " ".join(str(error).split())[:200]
-            raise DataError(
-                f"cannot load dataset {dataset!r} ({dataset_config}): {detail} -- the hub is unreachable "
-                f"here; download it elsewhere and pass its local path as task.corpus"
-            ) from None
+        instead = "download it elsewhere and pass its local path as task.corpus"
+        loaded = load_hub_dataset(dataset, dataset_config, instead, split=split)
     if "text" not in loaded.column_names:
         raise DataError(f"dataset {dataset!r} has no 'text' column (columns: {loaded.column_names})")
     return list(loaded["text"])
+
+
+def load_hub_dataset(name: str, config_name: Optional[str], instead: str, **options):
+    """``datasets.load_dataset(name, config_name, **options)`` from the hub; where that fails (no network here, no
+    such dataset), one DataError line naming the dataset and what to do ``instead``."""
+    import datasets  # heavy import, only for full-scale paths
+
+    try:
+        return datasets.load_dataset(name, config_name, **options)
+    except Exception as error:  # hub/network errors come in many types
+        detail = " ".join(str(error).split())[:200]
+        raise DataError(
+            f"cannot load dataset {name!r} ({config_name}): {detail} -- the hub is unreachable here; {instead}"
+        ) from None
 
 
 LOCAL_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -58,21 +58,26 @@ def train_unigram(
     )
 
 
-def load_or_train_tokenizer(name: str, texts_factory, vocab_size: int, cache_dir: Path) -> PreTrainedTokenizerFast:
-    """``name == "train"``: train on the corpus (cached in ``cache_dir``); otherwise a hub name or local path."""
+def load_or_train_tokenizer(
+    name: str,
+    texts_factory: Callable[[], Iterable[str]],
+    vocab_size: int,
+    cache_dir: Path,
+    train: Callable[[Iterable[str], int], PreTrainedTokenizerFast] = train_unigram_tokenizer,
+    instead: str = "the hub is unreachable here; pass a local tokenizer folder or task.tokenizer=train",
+) -> PreTrainedTokenizerFast:
+    """``name == "train"``: ``train(texts_factory(), vocab_size)`` once, cached in ``cache_dir``; otherwise a hub name
+    or local folder, and a failure to load it is one DataError line that says what to do ``instead``."""
     if name != "train":
         try:
             return PreTrainedTokenizerFast.from_pretrained(name)
-        except Exception as error:
+        except Exception as error:  # hub and file errors come in many types
             detail = " ".join(str(error).split())[:200]
-            raise DataError(
-                f"cannot load tokenizer {name!r}: {detail} -- the hub is unreachable here; pass a local "
-                f"tokenizer folder or task.tokenizer=train"
-            ) from None
+            raise DataError(f"cannot load tokenizer {name!r}: {detail} -- {instead}") from None
     if (cache_dir / "tokenizer.json").exists():
         return PreTrainedTokenizerFast.from_pretrained(str(cache_dir))
     logger.info(f"training a Unigram tokenizer (vocab {vocab_size}) on the corpus")
-    tokenizer = train_unigram_tokenizer(texts_factory(), vocab_size)
+    tokenizer = train(texts_factory(), vocab_size)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(cache_dir))
     return tokenizer

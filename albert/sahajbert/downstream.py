@@ -34,7 +34,7 @@ from transformers import (
     get_linear_schedule_with_warmup,
 )
 
-from albert.corpus import offline_wikipedia_articles
+from albert.corpus import load_hub_dataset, offline_wikipedia_articles
 from common.errors import DataError
 from common.seeding import stable_seed
 
@@ -71,16 +71,7 @@ def split_three(
 
 
 def _hub_splits(name: str, config_name: str, text_fields: Sequence[str]) -> dict:
-    import datasets
-
-    try:
-        loaded = datasets.load_dataset(name, config_name)
-    except Exception as error:  # hub/network errors come in many types
-        detail = " ".join(str(error).split())[:200]
-        raise DataError(
-            f"cannot load {name!r} ({config_name}): {detail} -- the hub is unreachable here; use the "
-            f"offline substitutes (wiki_mentions, wiki_topic)"
-        ) from None
+    loaded = load_hub_dataset(name, config_name, "use the offline substitutes (wiki_mentions, wiki_topic)")
     missing = [field for field in text_fields if field not in loaded["train"].column_names]
     if missing:
         raise DataError(f"{name} ({config_name}) lacks fields {missing}")

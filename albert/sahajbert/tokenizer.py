@@ -24,8 +24,7 @@ from typing import Iterable
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from albert.tokenizer import train_unigram
-from common.errors import DataError
+from albert.tokenizer import load_or_train_tokenizer, train_unigram
 
 logger = logging.getLogger(__name__)
 
@@ -79,18 +78,11 @@ def load_or_train_bengali_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """``name == "train"``: train on ``texts_factory()`` once (cached in ``cache_dir``); else a local folder or
     hub name (e.g. ``neuropark/sahajBERT``)."""
-    if name != "train":
-        try:
-            return PreTrainedTokenizerFast.from_pretrained(name)
-        except Exception as error:  # hub and file errors come in many types
-            detail = " ".join(str(error).split())[:200]
-            raise DataError(
-                f"cannot load tokenizer {name!r}: {detail} -- pass a folder written by "
-                f"scripts/train_sahajbert_tokenizer.py or task.tokenizer=train"
-            ) from None
-    if (cache_dir / "tokenizer.json").exists():
-        return PreTrainedTokenizerFast.from_pretrained(str(cache_dir))
-    tokenizer = train_bengali_tokenizer(texts_factory(), vocab_size)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(str(cache_dir))
-    return tokenizer
+    return load_or_train_tokenizer(
+        name,
+        texts_factory,
+        vocab_size,
+        cache_dir,
+        train=train_bengali_tokenizer,
+        instead="pass a folder written by scripts/train_sahajbert_tokenizer.py or task.tokenizer=train",
+    )

@@ -17,7 +17,12 @@ from albert.sahajbert.data import (
     split_sentences,
     tokenizer_training_texts,
 )
-from albert.sahajbert.tokenizer import bengali_normalizer, bengali_pre_tokenizer, train_bengali_tokenizer
+from albert.sahajbert.tokenizer import (
+    bengali_normalizer,
+    bengali_pre_tokenizer,
+    load_or_train_bengali_tokenizer,
+    train_bengali_tokenizer,
+)
 from common.config import load_config
 from common.errors import ConfigError, DataError
 
@@ -35,6 +40,16 @@ FIXTURE_STREAM = StreamConfig(
 def tokenizer():
     torch.set_num_threads(1)
     return train_bengali_tokenizer(tokenizer_training_texts(FIXTURE_STREAM), vocab_size=400)
+
+
+def test_bengali_tokenizer_is_trained_once_then_read_from_its_cache_and_a_bad_name_says_what_to_pass(tmp_path):
+    texts = list(tokenizer_training_texts(FIXTURE_STREAM))
+    trained = load_or_train_bengali_tokenizer("train", lambda: texts, 400, tmp_path / "cache")
+    cached = load_or_train_bengali_tokenizer("train", lambda: pytest.fail("trained twice"), 400, tmp_path / "cache")
+    assert cached.get_vocab() == trained.get_vocab()
+    assert cached("আমি বই পড়ি।")["input_ids"] == trained("আমি বই পড়ি।")["input_ids"]
+    with pytest.raises(DataError, match="cannot load tokenizer .* scripts/train_sahajbert_tokenizer.py"):
+        load_or_train_bengali_tokenizer(str(tmp_path / "missing"), lambda: texts, 400, tmp_path / "other")
 
 
 def test_normalizer_homogenises_bengali_characters_and_spaces():
