@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 from transformers import AlbertConfig, AlbertForPreTraining, PreTrainedTokenizerFast, get_linear_schedule_with_warmup
@@ -18,9 +18,8 @@ from albert.tokenizer import load_or_train_tokenizer
 from common.config import RunConfig, require
 from common.errors import DataError
 from common.hivemind_compat import prefill_optimizer_state
-from common.pipeline import planned_batches
 from common.seeding import stable_seed
-from common.task import Batch, ExportFacts, StepOutput, Task
+from common.task import Batch, DatasetTask, ExportFacts, StepOutput
 from common.timm_optim import timm_optimizer
 
 logger = logging.getLogger(__name__)
@@ -107,7 +106,7 @@ def no_decay(name: str) -> bool:
     return name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name
 
 
-class AlbertTask(Task):
+class AlbertTask(DatasetTask):
     def __init__(
         self,
         config: TaskConfig,
@@ -156,14 +155,6 @@ class AlbertTask(Task):
 
     def make_scheduler(self, optimizer: torch.optim.Optimizer):
         return get_linear_schedule_with_warmup(optimizer, self.config.warmup_steps, self.config.total_steps)
-
-    def batches(self, stream_seed: int) -> Iterator[Batch]:
-        if self.dataset is None:
-            raise DataError("this ALBERT task was built without data (monitor/auxiliary role)")
-        return self.dataset.stream(stream_seed, self.local_batch_size)
-
-    def batch_plan(self, stream_seed: int):
-        return planned_batches(self.dataset, stream_seed, self.local_batch_size)
 
     def heldout_batches(self, count: int) -> Optional[List[Batch]]:
         if self.config.heldout_fraction == 0 or self.tokenizer is None:

@@ -10,6 +10,8 @@ from typing import Dict, Iterable, Iterator, List, Optional
 import torch
 from torch import nn
 
+from common.errors import DataError
+
 Batch = Dict[str, torch.Tensor]
 EXPORT_DIR = "hf_model"  # where a run's output folder holds the model in its ecosystem format (Task.export_pretrained)
 SAMPLE_IDS = "sample_ids"  # every batch carries the global indices of its samples (for equivalence checks)
@@ -98,3 +100,22 @@ class Task(abc.ABC):
         """Write ``model`` to ``folder`` in its ecosystem's format (weights, config, preprocessing files and a
         model card built from ``facts``); return the folder, or None when the task has no such format."""
         return None
+
+
+class DatasetTask(Task):
+    """A task whose micro-batches all come from one dataset object: ``stream(stream_seed, batch_size)`` yields them
+    in order, and a dataset that can plan ahead (``plan``/``batch``, see common.pipeline) lets worker processes build
+    them. ``dataset`` is None on a peer that holds no data (monitor, auxiliary)."""
+
+    dataset: Optional[object]
+    local_batch_size: int
+
+    def batches(self, stream_seed: int) -> Iterator[Batch]:
+        if self.dataset is None:
+            raise DataError(f"this {type(self).__name__} was built without data (monitor/auxiliary role)")
+        return self.dataset.stream(stream_seed, self.local_batch_size)
+
+    def batch_plan(self, stream_seed: int):
+        from common.pipeline import planned_batches  # the pipeline module builds on this one
+
+        return planned_batches(self.dataset, stream_seed, self.local_batch_size)

@@ -10,17 +10,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, List, Optional
+from typing import Iterable, List, Optional
 
 import torch
 from lightly.loss import SwaVLoss
 from timm.optim import Lars
 
 from common.config import RunConfig, require
-from common.errors import ConfigError, DataError
+from common.errors import ConfigError
 from common.hivemind_compat import prefill_optimizer_state
-from common.pipeline import planned_batches
-from common.task import Batch, StepOutput, Task
+from common.task import Batch, DatasetTask, StepOutput
 from swav.data import FASHION_MNIST, FASHION_MNIST_DIR, MultiCropDataset, MultiCropSpec, crop_key, open_images
 from swav.model import RESNET50, SMALL_RESNET, SwavModel
 
@@ -169,7 +168,7 @@ class FeatureQueue:
         self.filled = min(length, self.filled + len(crop_embeddings[0]))
 
 
-class SwavTask(Task):
+class SwavTask(DatasetTask):
     def __init__(self, config: TaskConfig, local_batch_size: int, dataset: Optional[MultiCropDataset]):
         self.config, self.local_batch_size, self.dataset = config, local_batch_size, dataset
         self.model = SwavModel(
@@ -209,14 +208,6 @@ class SwavTask(Task):
     def make_scheduler(self, optimizer: torch.optim.Optimizer):
         base_lr = self.config.base_lr
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate(step, self.config) / base_lr)
-
-    def batches(self, stream_seed: int) -> Iterator[Batch]:
-        if self.dataset is None:
-            raise DataError("this SwAV task was built without data (monitor/auxiliary role)")
-        return self.dataset.stream(stream_seed, self.local_batch_size)
-
-    def batch_plan(self, stream_seed: int):
-        return planned_batches(self.dataset, stream_seed, self.local_batch_size)
 
     def forward(self, model: torch.nn.Module, batch: Batch) -> StepOutput:
         crops = [batch[crop_key(index)] for index in range(self.num_crops)]
