@@ -61,19 +61,8 @@ def write_comparison(predictions: List[Prediction], setups: List[SetupConfig], o
         writer.writeheader()
         writer.writerows(rows)
 
-    columns = [
-        "setup",
-        "task",
-        "trainers",
-        "auxiliaries",
-        "swarm_samples_per_second",
-        "accumulation_s",
-        "averaging_s",
-        "step_s",
-        "total_days",
-        "usd_per_hour",
-        "total_cost_usd",
-    ]
+    # every CSV column but the semantics (each setup's notes below name it) and the hours (the days say it)
+    columns = [column for column in rows[0] if column not in ("semantics", "total_hours")]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row[column]) for column in columns) + " |" for row in rows]
     lines += ["", "Inputs and their sources (every figure marked 'assumption' is one):", ""]
