@@ -53,7 +53,11 @@ def role_argument_parser(role: str, moderated: bool = False, volunteer: bool = F
     parser = argparse.ArgumentParser(description=f"DeDLOC {role} peer", allow_abbrev=False, epilog=CONFIG_KEYS_HELP)
     if moderated or volunteer:
         parser.add_argument(
-            "--auth-server", required=volunteer, default=None, help="https:// URL of scripts/auth_server.py"
+            "--auth-server",
+            required=volunteer,
+            default=None,
+            help="https:// URL of scripts/auth_server.py (a moderated run); credentials come from $DEDLOC_USERNAME / "
+            "$DEDLOC_PASSWORD or a prompt",
         )
         parser.add_argument(
             "--auth-ca",

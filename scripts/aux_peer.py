@@ -1,7 +1,6 @@
 """Auxiliary peer (CPU, no data, helps average): ``python scripts/aux_peer.py --config ... --initial-peers ...``.
 
-In a moderated run add ``--auth-server https://HOST:PORT`` (and ``--auth-ca CERT`` if its certificate is
-self-signed); credentials come from $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt."""
+With ``--auth-server https://HOST:PORT`` it joins a moderated run; ``--help`` lists the other options."""
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 

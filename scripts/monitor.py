@@ -1,7 +1,7 @@
 """Monitor peer (first peer of a run): ``python scripts/monitor.py --config configs/albert/tiny.yaml``.
 
-In a moderated run add ``--auth-server https://HOST:PORT`` (and ``--auth-ca CERT`` if its certificate is
-self-signed); credentials come from $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt."""
+It records the run's history, saves the checkpoints late joiners start from and serves the dashboard (the
+monitor section of common/config.py). ``--help`` lists its options (``--auth-server`` for a moderated run)."""
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
