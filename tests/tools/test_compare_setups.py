@@ -4,6 +4,7 @@ import csv
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -32,18 +33,21 @@ def test_paper_baseline_config_is_the_paper_recipe_on_ddp_with_a_consistent_glob
     )  # the YAML copies stay identical too
 
 
-def test_compare_setups_rejects_a_global_batch_the_workers_cannot_split(tmp_path):
-    result = run_script(
+def reduced_comparison(output: Path, runs: Path, *options: str) -> list:
+    """The script and its arguments for a reduced comparison (results to ``output``, run folders to ``runs``)."""
+    return [
         "scripts/experiments/compare_setups.py",
         "--reduced",
-        "--workers",
-        "3",
         "--output",
-        str(tmp_path),
+        str(output),
         "--runs",
-        str(tmp_path / "runs"),
-        timeout=120,
-    )
+        str(runs),
+        *options,
+    ]
+
+
+def test_compare_setups_rejects_a_global_batch_the_workers_cannot_split(tmp_path):
+    result = run_script(*reduced_comparison(tmp_path, tmp_path / "runs", "--workers", "3"), timeout=120)
     assert result.returncode != 0
     assert "must be a multiple of" in result.stderr
     assert "Traceback" not in result.stderr
@@ -107,17 +111,7 @@ def check_comparison_outputs(output) -> None:
 @pytest.mark.timeout(1260)
 def test_reduced_comparison_runs_every_setup_and_writes_csv_png_and_results(tmp_path):
     output = tmp_path / "results"
-    result = run_until_done(
-        [
-            "scripts/experiments/compare_setups.py",
-            "--reduced",
-            "--output",
-            str(output),
-            "--runs",
-            str(tmp_path / "runs"),
-        ],
-        timeout=1140,
-    )
+    result = run_until_done(reduced_comparison(output, tmp_path / "runs"), timeout=1140)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[1/5] single: launching" in result.stderr and "[5/5] collab_local: done in" in result.stderr
     check_comparison_outputs(output)
