@@ -40,11 +40,11 @@ def run(command: list, log_path: Path) -> float:
 @exit_on_user_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trainers", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--plain-seconds", type=float, default=120)
-    parser.add_argument("--output", default="outputs/benchmark_core")
-    parser.add_argument("--results", default="paper_results/core")
+    parser.add_argument("--trainers", type=int, default=3, help="trainers in the swarm; as many plain loops")
+    parser.add_argument("--steps", type=int, default=25, help="global steps of the swarm and of the one process")
+    parser.add_argument("--plain-seconds", type=float, default=120, help="how long the plain loops run")
+    parser.add_argument("--output", default="outputs/benchmark_core", help="run folders and logs")
+    parser.add_argument("--results", default="paper_results/core", help="benchmark.csv and the demo loss curve")
     args = parser.parse_args()
     setup_logging("benchmark")
     output, results = Path(args.output), Path(args.results)

@@ -49,11 +49,11 @@ def count_p2pd(pgids: set) -> int:
 @exit_on_user_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=30)
+    parser.add_argument("--minutes", type=float, default=30, help="how long the swarm trains")
     parser.add_argument("--trainers", type=int, default=3)
-    parser.add_argument("--sample-seconds", type=float, default=30)
-    parser.add_argument("--output", default="outputs/soak")
-    parser.add_argument("--results", default="paper_results/soak")
+    parser.add_argument("--sample-seconds", type=float, default=30, help="seconds between two memory samples")
+    parser.add_argument("--output", default="outputs/soak", help="the swarm's run folder")
+    parser.add_argument("--results", default="paper_results/soak", help="soak.csv, soak.png and summary.json")
     args = parser.parse_args()
     stop = StopFlag().install()
     setup_logging("soak")
