@@ -8,6 +8,7 @@ unknown keys, wrong types and out-of-range values become a one-line :class:`Conf
 
 from __future__ import annotations
 
+import argparse
 import enum
 import importlib
 from dataclasses import dataclass, field
@@ -47,6 +48,14 @@ CONFIG_KEYS_HELP = (
     "defaults in common/config.py; the task section in the experiment's task.py (TaskConfig), e.g. "
     "albert/task.py. Override any key as key=value, e.g. training.max_global_steps=20."
 )
+
+
+def script_argument_parser(description: str) -> argparse.ArgumentParser:
+    """The command line of a script that reads a run config and key=value overrides: ``description`` (the script's
+    docstring) shown as written, and an epilog saying where the config keys are listed."""
+    return argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
+    )
 
 
 def require(condition: bool, message: str) -> None:

@@ -5,7 +5,6 @@
 Shows progress while it runs and ends with a report (also in <output>/summary.json and loss_curve.png).
 """
 
-import argparse
 import contextlib
 import json
 import logging
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
-from common.config import CONFIG_KEYS_HELP, load_config
+from common.config import load_config, script_argument_parser
 from common.dashboard import URL_FILE as DASHBOARD_URL_FILE
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
@@ -26,9 +25,7 @@ logger = logging.getLogger("local_swarm")
 
 
 def parse_arguments():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
-    )
+    parser = script_argument_parser(__doc__)
     parser.add_argument("--config", required=True)
     parser.add_argument("--trainers", type=int, default=3)
     parser.add_argument("--aux", type=int, default=1, help="auxiliary peers")

@@ -6,7 +6,6 @@
 Without ``--state`` the configured model's seeded random initialisation is evaluated (the baseline).
 """
 
-import argparse
 import csv
 import json
 import logging
@@ -15,7 +14,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 
-from common.config import CONFIG_KEYS_HELP, load_config
+from common.config import load_config, script_argument_parser
 from common.errors import ConfigError, exit_on_user_error
 from common.lifecycle import setup_logging
 from swav.linear_eval import evaluate, large_crop_size, load_model
@@ -36,9 +35,7 @@ CSV_FIELDS = [
 
 
 def parse_arguments():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
-    )
+    parser = script_argument_parser(__doc__)
     parser.add_argument("--config", required=True)
     parser.add_argument("--state", default=None, help="a trainer's final_model.pt (default: random init)")
     parser.add_argument("--label", default=None, help="row label in the CSV (default: the state path or random_init)")

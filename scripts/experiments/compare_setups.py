@@ -10,7 +10,6 @@ Runs, one after the other: one process (training.backend=single), torch DDP with
 summary.csv, loss_curves.png and results.md (the exact command, the machine and its load, the table).
 """
 
-import argparse
 import logging
 import os
 import platform
@@ -23,7 +22,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 
-from common.config import CONFIG_KEYS_HELP, load_config
+from common.config import load_config, script_argument_parser
 from common.errors import ConfigError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.swarm import ROOT
@@ -76,9 +75,7 @@ REDUCED_OVERRIDES = [
 
 
 def parse_arguments():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
-    )
+    parser = script_argument_parser(__doc__)
     parser.add_argument("--config", default="configs/albert/tiny.yaml")
     parser.add_argument("--workers", type=int, default=2, help="DDP workers (and collaborative trainers by default)")
     parser.add_argument("--trainers", type=int, default=None, help="collaborative trainers (default: --workers)")

@@ -19,7 +19,7 @@ from typing import Dict, List
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
-from common.config import CONFIG_KEYS_HELP, Compression, Semantics, load_config
+from common.config import Compression, Semantics, load_config, script_argument_parser
 from common.errors import DataError, exit_on_user_error
 from common.lifecycle import setup_logging
 from common.tools.cost_model import (
@@ -312,9 +312,7 @@ def command_validation_plot(args: argparse.Namespace) -> None:
 
 
 def parse_arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
-    )
+    parser = script_argument_parser(__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     compare = commands.add_parser("compare", help="cost comparison table and plot for the paper's setups")
     compare.add_argument(

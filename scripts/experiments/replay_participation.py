@@ -9,7 +9,6 @@ stopped as the compressed trace says (SIGTERM for a graceful leave, SIGKILL of t
 Writes the leaderboard (CSV + Markdown), replay.png, memory.csv and replay_summary.json to --output-dir.
 """
 
-import argparse
 import json
 import logging
 from dataclasses import replace
@@ -18,7 +17,7 @@ from typing import List
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
 
-from common.config import CONFIG_KEYS_HELP, load_config
+from common.config import load_config, script_argument_parser
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.swarm import LocalSwarm
@@ -39,9 +38,7 @@ REPLAY_OVERRIDES = [
 
 
 def parse_arguments():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
-    )
+    parser = script_argument_parser(__doc__)
     parser.add_argument("--config", default=str(ROOT / "configs/albert/tiny.yaml"))
     parser.add_argument(
         "--trace",
