@@ -19,17 +19,8 @@ import _bootstrap  # noqa: F401  (repository root on sys.path)
 
 from common.errors import exit_on_user_error
 from common.lifecycle import setup_logging
+from common.tools import participation
 from common.tools.cost_model import load_setup, load_task_spec
-from common.tools.participation import (
-    compress_trace,
-    generate_event_trace,
-    hardware_rates,
-    max_concurrency,
-    read_trace_csv,
-    simulate_full_scale,
-    trace_statistics,
-    write_trace_csv,
-)
 
 logger = logging.getLogger("make_trace")
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,25 +72,27 @@ def main() -> None:
     table = load_setup(args.hardware)
     task = load_task_spec(args.task)
     if args.csv:
-        sessions = read_trace_csv(Path(args.csv))
+        sessions = participation.read_trace_csv(Path(args.csv))
     else:
-        sessions = generate_event_trace(args.seed, hardware_rates(table, task.name))
+        sessions = participation.generate_event_trace(args.seed, participation.hardware_rates(table, task.name))
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    write_trace_csv(sessions, output_dir / "participation_trace.csv")
-    statistics = trace_statistics(sessions)
+    participation.write_trace_csv(sessions, output_dir / "participation_trace.csv")
+    statistics = participation.trace_statistics(sessions)
     logger.info(f"trace: {statistics.to_json()}")
 
-    schedule = compress_trace(sessions, args.max_concurrent, args.replay_seconds, args.min_session_seconds)
+    schedule = participation.compress_trace(
+        sessions, args.max_concurrent, args.replay_seconds, args.min_session_seconds
+    )
     (output_dir / "replay_schedule.json").write_text(json.dumps(schedule.to_json(), indent=1))
     logger.info(
         f"replay: x{schedule.time_scale:.0f} time scale, {schedule.sessions_replayed} sessions replayed, "
         f"{schedule.sessions_skipped_busy} skipped (all {args.max_concurrent} slots busy), "
         f"{schedule.sessions_skipped_short} skipped (< {args.min_session_seconds} s compressed), "
-        f"peak concurrency {max_concurrency(schedule.events)}"
+        f"peak concurrency {participation.max_concurrency(schedule.events)}"
     )
 
-    result = simulate_full_scale(sessions, table, task)
+    result = participation.simulate_full_scale(sessions, table, task)
     with (output_dir / "participation_full_scale.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(asdict(result.points[0])))
         writer.writeheader()
