@@ -104,7 +104,10 @@ class CollaborationConfig:
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
     average_state_every: int = 1
-    load_state_timeout: float = 60.0
+    load_state_timeout: float = 60.0  # seconds one attempt to download the swarm's state may take
+    # a peer that cannot download the swarm's state (joining, or after falling behind) retries with backoff and
+    # stops with one line after this many seconds in all
+    load_state_deadline: float = 300.0
     expected_peers: int = 1  # start barrier: trainers wait until this many trainers report progress
     start_barrier_timeout: float = 120.0
     # run reports call trainers' final parameters "the same" within this (max absolute element difference);
@@ -125,6 +128,8 @@ class CollaborationConfig:
             "collaboration.averaging_timeout must exceed collaboration.matchmaking_time",
         )
         require(self.average_state_every >= 1, "collaboration.average_state_every must be >= 1")
+        require(self.load_state_timeout > 0, "collaboration.load_state_timeout must be > 0")
+        require(self.load_state_deadline > 0, "collaboration.load_state_deadline must be > 0")
         require(self.expected_peers >= 1, "collaboration.expected_peers must be >= 1")
         require(self.agreement_tolerance > 0, "collaboration.agreement_tolerance must be > 0")
 

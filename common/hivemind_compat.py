@@ -17,11 +17,17 @@ why the project cannot take it as it is. Nothing else in the repository patches 
    sender (an averager being shut down) exited before the DHT read it.
 10. :func:`log_groupless_rounds_as_warnings` -- an averaging round that found no partners is logged as an ERROR
     with a traceback, although the optimizer goes on (and says so) and it is routine when peers leave.
+11. :func:`bound_state_downloads` -- ``Optimizer.load_state_from_peers`` retries a failed download forever, logging a
+    traceback each time.
+12. :func:`log_unreachable_state_sources_as_info` -- a state download from one peer that cannot be reached (e.g.
+    "routing: not found" for a peer that joined seconds ago) is logged as an ERROR with a traceback, although the
+    averager goes on to the next peer and the caller reports the outcome.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 import types
 import warnings
@@ -29,7 +35,10 @@ from typing import Callable, Sequence
 
 import hivemind
 import torch
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.utils.crypto import RSAPrivateKey
+
+from common.errors import PeerError
 
 PINNED_VERSION = "1.1.12"
 logger = logging.getLogger(__name__)
@@ -214,3 +223,148 @@ def log_groupless_rounds_as_warnings() -> None:
     averager_logger = logging.getLogger("hivemind.averaging.averager")
     if not any(isinstance(existing, _GrouplessRound) for existing in averager_logger.filters):
         averager_logger.addFilter(_GrouplessRound())
+
+
+STATE_RETRY_MAX_SECONDS = 16.0  # longest wait between two attempts to download the swarm's state
+STOP_POLL_SECONDS = 0.25  # how often a wait between attempts checks whether the peer was asked to stop
+
+
+def bound_state_downloads(
+    optimizer: hivemind.Optimizer, deadline: float, stop_requested: Callable[[], bool] = lambda: False
+) -> None:
+    """Make ``optimizer.load_state_from_peers`` give up after ``deadline`` seconds with one line (``PeerError``).
+
+    hivemind's method retries a download that raised (a timeout, a broken peer) at once and forever, logging a
+    traceback each time; ``Optimizer.step`` calls it by itself whenever this peer fell behind, so a peer that can
+    never get the swarm's state spins silently. The replacement does what hivemind's does around the download --
+    join a running gradient round with zero weight, finish delayed updates, pause the progress tracker, take the
+    swarm's step if one behind, report progress, share state at its new step, drop accumulated gradients -- but
+    retries with backoff (1, 2, 4 ... s, at most ``STATE_RETRY_MAX_SECONDS``) logging one WARNING line per failed
+    attempt, and raises ``PeerError`` once ``deadline`` seconds have passed. Besides an exception, an attempt
+    failed when nothing newer was loaded although the swarm is more than one step ahead: hivemind would return,
+    and ``step`` would call it again at the next micro-batch. A stop request ends the waiting early (the caller's
+    loop then sees the stop). Installed as an instance attribute, so ``Optimizer.step`` calls it too.
+    """
+
+    def load_state_from_peers(**kwargs) -> None:
+        _load_state_within_deadline(optimizer, deadline, stop_requested, kwargs)
+
+    optimizer.load_state_from_peers = load_state_from_peers
+
+
+def _load_state_within_deadline(
+    optimizer: hivemind.Optimizer, deadline: float, stop_requested: Callable[[], bool], kwargs: dict
+) -> None:
+    # tag along with a gradient round already under way: cancelling it would restart everyone's matchmaking
+    if optimizer.scheduled_grads is not None and not optimizer.scheduled_grads.done():
+        optimizer._tag_along_with_zero_weight(optimizer.scheduled_grads)
+        optimizer.scheduled_grads = None
+    optimizer.state_averager.step(wait_for_delayed_updates=True)
+
+    with optimizer.tracker.pause_updates():
+        _download_state(optimizer, deadline, stop_requested, kwargs)
+        swarm_epoch = optimizer.tracker.global_epoch
+        if swarm_epoch - 1 <= optimizer.local_epoch < swarm_epoch:
+            logger.info(f"catching up with the swarm's global step {swarm_epoch}")
+            optimizer.state_averager.local_epoch = swarm_epoch
+        optimizer.tracker.report_local_progress(local_epoch=optimizer.local_epoch, samples_accumulated=0)
+        if not optimizer.client_mode:
+            optimizer.state_averager.state_sharing_priority = optimizer.local_epoch
+        if optimizer.use_gradient_averaging:
+            optimizer.grad_averager.reset_accumulated_grads_()
+            if not optimizer.client_mode:
+                optimizer.grad_averager.state_sharing_priority = optimizer.local_epoch
+
+
+def _download_state(
+    optimizer: hivemind.Optimizer, deadline: float, stop_requested: Callable[[], bool], kwargs: dict
+) -> None:
+    """Attempts until one succeeds; each gets at most ``load_state_timeout`` and never runs past ``deadline``."""
+    started = time.monotonic()
+    give_up_at = started + deadline
+    attempt = 0
+    while True:
+        attempt += 1
+        epoch_before = optimizer.local_epoch
+        try:
+            optimizer.state_averager.load_state_from_peers(timeout=_attempt_timeout(optimizer, give_up_at), **kwargs)
+            if optimizer.grad_averager is not None:
+                optimizer.grad_averager.load_state_from_peers(
+                    timeout=_attempt_timeout(optimizer, give_up_at), **kwargs
+                )
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # what hivemind retries on, a timeout included
+            failure = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        else:
+            swarm_epoch = optimizer.tracker.global_epoch
+            if optimizer.local_epoch > epoch_before or optimizer.local_epoch >= swarm_epoch - 1:
+                return
+            failure = (
+                f"no peer served a state newer than global step {optimizer.local_epoch} "
+                f"(the swarm is at global step {swarm_epoch})"
+            )
+        elapsed = time.monotonic() - started
+        if elapsed >= deadline:
+            raise PeerError(
+                f"could not download the swarm's state from any peer within {deadline:g} s ({attempt} attempts in "
+                f"{elapsed:.1f} s; last: {failure}): check that the initial peers are right and that peers of this "
+                f"run are up, or raise collaboration.load_state_deadline"
+            )
+        delay = min(STATE_RETRY_MAX_SECONDS, 2.0 ** (attempt - 1), give_up_at - time.monotonic())
+        logger.warning(
+            f"state download attempt {attempt} failed after {elapsed:.1f} s ({failure}); retrying in {delay:.0f} s "
+            f"(giving up {deadline:g} s after the first attempt)"
+        )
+        waited_until = time.monotonic() + max(delay, 0.0)
+        while time.monotonic() < waited_until:
+            if stop_requested():
+                logger.info("stop requested: no further state download attempts")
+                return
+            time.sleep(min(STOP_POLL_SECONDS, max(waited_until - time.monotonic(), 0.0)))
+
+
+def _attempt_timeout(optimizer: hivemind.Optimizer, give_up_at: float) -> float:
+    """``load_state_timeout``, cut short so that no attempt runs past the deadline (the averager's own download then
+    finishes in the background and is dropped)."""
+    return min(optimizer.load_state_timeout, max(give_up_at - time.monotonic(), 0.1))
+
+
+STATE_DOWNLOAD_FAILED = "Failed to download state from "
+
+
+class _UnreachableStateSource(logging.Filter):
+    """Rewrites the record described in :func:`log_unreachable_state_sources_as_info` as one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        message = record.getMessage()
+        if (
+            record.funcName == "_load_state_from_peers"
+            and message.startswith(STATE_DOWNLOAD_FAILED)
+            and isinstance(error, (ControlFailure, TimeoutError))
+        ):
+            peer = message[len(STATE_DOWNLOAD_FAILED) :].split(" ", 1)[0]
+            reason = str(error) or "no data within the request timeout"
+            record.msg, record.args = f"could not download state from peer {peer} ({reason}); asking the next peer", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def log_unreachable_state_sources_as_info() -> None:
+    """Log a state download from a peer that could not be reached, or sent nothing in time, as one INFO line.
+
+    ``DecentralizedAverager._load_state_from_peers`` asks the peers that share state one after another and logs each
+    one that fails with ``logger.exception``. When the p2p daemon cannot open a stream to that peer
+    (``ControlFailure``: "routing: not found" for a peer whose address this daemon does not know yet -- routine in
+    the first seconds of a fresh swarm --, "dial backoff" or "protocols not supported" for one that left) or the
+    peer sends nothing in time (``TimeoutError``), nothing is wrong in this peer: the averager goes on to the next
+    peer, and the caller reports the outcome at WARNING when it matters (:func:`bound_state_downloads` when no peer
+    served the state it needed, the monitor when it got no newer state to checkpoint). Any other download error (a
+    corrupt or mismatched state, say) keeps its level and traceback. Installed before the averagers are forked, so
+    their processes inherit it.
+    """
+    averager_logger = logging.getLogger("hivemind.averaging.averager")
+    if not any(isinstance(existing, _UnreachableStateSource) for existing in averager_logger.filters):
+        averager_logger.addFilter(_UnreachableStateSource())

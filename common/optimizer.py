@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import hivemind
 from hivemind.compression import (
@@ -18,6 +18,7 @@ from hivemind.compression import (
 
 from common.config import CollaborationConfig, Compression, Semantics
 from common.hivemind_compat import (
+    bound_state_downloads,
     client_mode_argument,
     grad_buffers_for_scaler,
     silence_schedule_fast_forward_warning,
@@ -66,14 +67,16 @@ def make_collaborative_optimizer(
     local_batch_size: Optional[int],
     auxiliary: bool = False,
     uses_grad_scaler: bool = False,
+    stop_requested: Optional[Callable[[], bool]] = None,
 ) -> hivemind.Optimizer:
     """The task's optimizer wrapped in hivemind.Optimizer; ``auxiliary`` peers only help average.
-    ``uses_grad_scaler``: the trainer steps it with a ``hivemind.GradScaler`` (fp16)."""
+    ``uses_grad_scaler``: the trainer steps it with a ``hivemind.GradScaler`` (fp16). Its state downloads give up
+    after ``collab.load_state_deadline`` seconds; ``stop_requested`` (the stop flag) cuts their retries short."""
     flags = SEMANTICS[collab.semantics]
     compression = make_compression(collab.compression)
     averager_opts = {"bandwidth": collab.bandwidth} if collab.bandwidth is not None else {}
     silence_schedule_fast_forward_warning()
-    return hivemind.Optimizer(
+    optimizer = hivemind.Optimizer(
         dht=dht,
         run_id=collab.run_id,
         target_batch_size=collab.target_batch_size,
@@ -97,3 +100,5 @@ def make_collaborative_optimizer(
         tracker_opts={"min_refresh_period": 0.2, "default_refresh_period": 1.0},
         verbose=True,  # status lines at INFO; common.lifecycle.setup_logging decides which loggers show them
     )
+    bound_state_downloads(optimizer, collab.load_state_deadline, stop_requested or (lambda: False))
+    return optimizer

@@ -196,7 +196,11 @@ class Monitor:
             return
         # one attempt asks every peer that declared state, newest first (hivemind); a failed attempt is retried
         # after 1, 2, 4 ... s (at most CHECKPOINT_RETRY_MAX_SECONDS), not at every poll
-        self.state_averager.load_state_from_peers(timeout=self.config.collaboration.load_state_timeout)
+        failure = ""
+        try:
+            self.state_averager.load_state_from_peers(timeout=self.config.collaboration.load_state_timeout)
+        except Exception as error:  # the download outlasted load_state_timeout (TimeoutError), ...: a failed attempt
+            failure = f": {type(error).__name__} {error}".rstrip()
         step = self.state_averager.local_epoch
         if step <= self.last_checkpoint_step:
             self.checkpoint_failures += 1

@@ -66,7 +66,12 @@ def build_backend(
             run_id=averaging_run_id(config.collaboration.run_id, authorizer),  # tagged in a moderated run
         )
         optimizer = make_collaborative_optimizer(
-            dht, task, collab, config.training.local_batch_size, uses_grad_scaler=needs_loss_scaling(precision)
+            dht,
+            task,
+            collab,
+            config.training.local_batch_size,
+            uses_grad_scaler=needs_loss_scaling(precision),
+            stop_requested=stop.is_set,
         )
     except BaseException:
         dht.shutdown()
