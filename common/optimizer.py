@@ -23,6 +23,7 @@ from common.hivemind_compat import (
     grad_buffers_for_scaler,
     silence_schedule_fast_forward_warning,
     skip_nonfinite_steps,
+    stream_results_to_zero_share_full_peers,
 )
 from common.task import Task
 
@@ -76,6 +77,7 @@ def make_collaborative_optimizer(
     compression = make_compression(collab.compression)
     averager_opts = {"bandwidth": collab.bandwidth} if collab.bandwidth is not None else {}
     silence_schedule_fast_forward_warning()
+    stream_results_to_zero_share_full_peers()  # before the averagers' processes are forked
     optimizer = hivemind.Optimizer(
         dht=dht,
         run_id=collab.run_id,

@@ -96,23 +96,6 @@ def sample(round_index: int) -> dict:
     }
 
 
-def stream_results_to_zero_share_peers() -> None:
-    """Make a peer that reduces nothing receive averaged parts while it still sends, as every other peer does.
-
-    hivemind 1.1.12's ``AllReduceRunner.should_delay_results`` holds back the results for any peer whose share
-    is 0 until that peer has sent its whole vector (meant for client-mode peers on asymmetric links). The load
-    balancer, though, gives a share of 0 to *slow full peers* too, and its model assumes their upload and
-    download overlap: V / bandwidth. Delayed, they take 2 V / bandwidth -- more than the V * 1.5 / bandwidth of
-    a uniform split, which cancels the balancing gain. Here only client-mode peers wait.
-    """
-    from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-
-    def should_delay_results(self, peer_id) -> bool:
-        return self.modes[self.ordered_peer_ids.index(peer_id)] == AveragingMode.CLIENT
-
-    AllReduceRunner.should_delay_results = should_delay_results
-
-
 class LinkTracer:
     """Samples this host's interface counters every ``interval`` seconds in a thread: when each direction of its
     link was busy within a round (does a peer's upload overlap its download?)."""
@@ -154,6 +137,33 @@ def log_result_arrivals(path: Path) -> None:
     TensorPartContainer.register_processed_part = logged
 
 
+def log_daemon_handoffs(path: Path, min_bytes: int = 100_000) -> None:
+    """Append (event, time, bytes) each time this peer hands a large message to its libp2p daemon ("sent": the
+    daemon took it) or takes one from it ("received"): a message the reducer has produced but the daemon has not
+    yet taken is held in Python; one the daemon took but whose bytes are not on the wire is held in the daemon."""
+    from hivemind.p2p.p2p_daemon import P2P
+
+    send, receive = P2P.send_protobuf, P2P.receive_protobuf
+
+    def log(*event) -> None:
+        with path.open("a") as handle:
+            handle.write(json.dumps(event) + "\n")
+
+    async def logged_send(message, writer):
+        size = message.ByteSize()
+        await send(message, writer)
+        if size >= min_bytes:
+            log("sent", time.time(), size)
+
+    async def logged_receive(message_type, reader):
+        message, error = await receive(message_type, reader)
+        if message is not None and message.ByteSize() >= min_bytes:
+            log("received", time.time(), message.ByteSize())
+        return message, error
+
+    P2P.send_protobuf, P2P.receive_protobuf = staticmethod(logged_send), staticmethod(logged_receive)
+
+
 def run_worker(plan: dict) -> None:
     import hivemind
     import torch
@@ -161,9 +171,12 @@ def run_worker(plan: dict) -> None:
 
     torch.set_num_threads(1)
     if plan["zero_share_results"] == "streamed":
-        stream_results_to_zero_share_peers()
+        from common.hivemind_compat import stream_results_to_zero_share_full_peers
+
+        stream_results_to_zero_share_full_peers()
     if plan["trace_interval"] > 0:
         log_result_arrivals(Path(plan["results_file"]).with_name(f"arrivals_{plan['host']['name']}.jsonl"))
+        log_daemon_handoffs(Path(plan["results_file"]).with_name(f"handoffs_{plan['host']['name']}.jsonl"))
     host = plan["host"]
     client_mode = not host["accepts_inbound"] and not plan["server_mode_behind_firewall"]
     results = Path(plan["results_file"])
@@ -433,6 +446,9 @@ def run_setup(setup: NetworkSetup, conditions: List[Condition], args) -> List[di
                 arrivals = workdir / f"arrivals_{trace['host']}.jsonl"
                 lines = arrivals.read_text().splitlines() if arrivals.exists() else []
                 trace["result_arrivals"] = [json.loads(line) for line in lines]
+                handoffs = workdir / f"handoffs_{trace['host']}.jsonl"
+                lines = handoffs.read_text().splitlines() if handoffs.exists() else []
+                trace["daemon_handoffs"] = [json.loads(line) for line in lines]
             (args.output_dir / f"{args.stem}_{setup.name}_traces.json").write_text(json.dumps(traces))
             plot_traces(traces, conditions, args.output_dir / f"{args.stem}_{setup.name}_traces.png")
     rows, peer_rows = [], []

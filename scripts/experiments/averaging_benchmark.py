@@ -58,9 +58,9 @@ def main() -> None:
     parser.add_argument(
         "--zero-share-results",
         choices=("streamed", "after-sending"),
-        default="after-sending",
-        help="after-sending: hivemind 1.1.12 as is (a zero-share peer gets averaged parts only after it has sent "
-        "its whole vector); streamed: while it sends (a hypothesis test; it did not shorten rounds here)",
+        default="streamed",
+        help="streamed: what the trainers run (a full peer with no share of the all-reduce gets averaged parts "
+        "while it sends); after-sending: hivemind 1.1.12 as is (only after it has sent its whole vector)",
     )
     parser.add_argument("--part-size-bytes", type=int, default=2**19, help="hivemind's all-reduce part size")
     parser.add_argument(
