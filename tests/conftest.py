@@ -28,3 +28,14 @@ def tiny_overrides(tmp_path):
         "collaboration.averaging_timeout=20",
         "task.max_documents=3000",
     ]
+
+
+@pytest.fixture
+def tiny_ddp_overrides(tiny_overrides):
+    """The tiny DDP baseline: 2 workers, each taking 2 micro-batches of 16 samples per global batch of 64."""
+    return [
+        *tiny_overrides,
+        "training.backend=ddp",
+        "collaboration.target_batch_size=64",
+        "training.local_batch_size=16",
+    ]

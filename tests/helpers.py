@@ -1,8 +1,9 @@
-"""What the tests share: repository paths, running scripts as a user would, JSONL logs, a free port, and a
+"""What the tests share: repository paths, running scripts (and torchrun) as a user would, JSONL logs, and a
 single-process replay of exactly the micro-batches a distributed run logged."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -19,7 +20,8 @@ TINY_ALBERT = str(ROOT / "configs/albert/tiny.yaml")
 
 from common.backends import SingleProcessBackend  # noqa: E402  (conftest puts the repository on sys.path)
 from common.config import RunConfig, load_config  # noqa: E402
-from common.tools.comparison import free_port  # noqa: E402
+from common.swarm import LocalSwarm  # noqa: E402
+from common.tools.comparison import torchrun_command  # noqa: E402
 
 # How far fp16 wire compression may leave trainers apart (2 x lr with LAMB; the reasoning is in tiny.yaml).
 FP16_TOLERANCE = load_config(TINY_ALBERT).collaboration.agreement_tolerance
@@ -27,8 +29,13 @@ FP16_TOLERANCE = load_config(TINY_ALBERT).collaboration.agreement_tolerance
 
 def run_script(*arguments: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a repository script as a user would, capturing its output."""
+    return run_command([PYTHON, *arguments], timeout, env)
+
+
+def run_command(command: List[str], timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``command`` from the repository root with this environment (plus ``env``), capturing its output."""
     return subprocess.run(
-        [PYTHON, *arguments],
+        command,
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -40,17 +47,20 @@ def run_script(*arguments: str, timeout: float = 180, env: dict | None = None) -
 
 def run_ddp_training(*overrides: str, workers: int = 2, timeout: float = 360) -> subprocess.CompletedProcess:
     """The HPC baseline as a user launches it: torchrun with ``workers`` processes of scripts/train.py."""
-    return run_script(
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={workers}",
-        f"--master_port={free_port()}",
-        "scripts/train.py",
-        "--config",
-        TINY_ALBERT,
-        *overrides,
-        timeout=timeout,
-    )
+    return run_command([*torchrun_command(workers, TINY_ALBERT), *overrides], timeout)
+
+
+def run_trainers(config_path: str, run_dir: Path, overrides: List[str], trainers: List[str], timeout: float) -> None:
+    """A swarm of ``trainers`` alone (the first starts it, the others join it), run to its end: every trainer must
+    exit with code 0 within ``timeout`` seconds."""
+    with LocalSwarm(config_path, run_dir, overrides) as swarm:
+        swarm.start_first_peer("trainer", trainers[0])
+        for name in trainers[1:]:
+            swarm.start("trainer", name)
+        assert swarm.wait(trainers, timeout=timeout), "trainers did not finish in time"
+        assert all(swarm.peers[name].process.returncode == 0 for name in trainers), [
+            swarm.peers[name].log_tail() for name in trainers
+        ]
 
 
 def assert_no_processes_left(run_dir: Path) -> None:
@@ -130,6 +140,38 @@ def max_difference(first: Dict[str, torch.Tensor], second: Dict[str, torch.Tenso
     return max(float((first[key] - second[key]).abs().max()) for key in first if first[key].is_floating_point())
 
 
+def differences_from_replay(
+    config_path: str, run_dir: Path, overrides: List[str], trainers: List[str], steps: int
+) -> List[float]:
+    """How far each trainer's final parameters lie from one process replaying the micro-batches all of them logged
+    (the run's config on the single-process backend), trainer by trainer."""
+    records = read_step_logs([run_dir / name / "steps.jsonl" for name in trainers])
+    reference = replay_single_process(
+        load_config(config_path, [*overrides, "training.backend=single"]), records, steps
+    )
+    return [max_difference(torch.load(run_dir / name / "final_model.pt"), reference) for name in trainers]
+
+
+# hivemind's fault-tolerance paths: a round that missed a peer or part of its results falls back to local values
+DEGRADED_ROUND_MARKERS = (
+    "Proceeding with local gradients",
+    "Averaging gradients failed",
+    "Averaging: received",
+    "Skipping pre-scheduled averaging round",
+    "used this peer's gradients only",
+)
+
+
+def degraded_rounds(peer_dirs) -> list:
+    """The log lines in which a peer's averaging round fell back to local values, each with the peer's folder."""
+    return [
+        f"{peer_dir.name}: {line.strip()}"
+        for peer_dir in peer_dirs
+        for line in (peer_dir / "peer.log").read_text(errors="replace").splitlines()
+        if any(marker in line for marker in DEGRADED_ROUND_MARKERS)
+    ]
+
+
 def network_emulation_unavailable() -> str | None:
     """Why emulated hosts cannot be built here (not root, no nftables, ...), or None when they can."""
     from common.tools.netns import NetworkEmulationUnavailable, check_available
@@ -139,6 +181,23 @@ def network_emulation_unavailable() -> str | None:
     except NetworkEmulationUnavailable as error:
         return str(error)
     return None
+
+
+def python_on_host(network, host: int, code: str, *arguments: str) -> List[str]:
+    """The command that runs Python ``code`` (``sys.argv[1:]`` = ``arguments``) on host ``host`` of an
+    ``EmulatedNetwork``."""
+    return network.command_prefix(host) + [PYTHON, "-c", code, *arguments]
+
+
+@contextlib.contextmanager
+def running(command: List[str], **options):
+    """``command`` started (``subprocess.Popen`` with ``options``) for the block, killed and reaped after it."""
+    process = subprocess.Popen(command, **options)
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
 
 
 def needs_network_namespaces(test):
@@ -161,16 +220,32 @@ def small_albert_config():
     )
 
 
-# Settings under which collaborative peers must equal one process replaying their samples (sync equivalence).
-EQUIVALENCE_OVERRIDES = [
-    "collaboration.expected_peers=2",
-    "collaboration.compression=none",
-    "collaboration.semantics=sync",
-    "training.local_batch_size=16",
+def swarm_overrides(base: List[str], steps: int, target_batch_size: int, expected_peers: int) -> List[str]:
+    """``base``, then a collaborative run of ``steps`` global steps of ``target_batch_size`` samples that starts once
+    ``expected_peers`` trainers report progress; the monitor keeps no checkpoints."""
+    return [
+        *base,
+        f"training.max_global_steps={steps}",
+        f"collaboration.target_batch_size={target_batch_size}",
+        f"collaboration.expected_peers={expected_peers}",
+        "monitor.checkpoint_every_steps=0",
+    ]
+
+
+# Settings under which one process replaying the micro-batches a run logged must reach its parameters.
+REPLAYABLE_OVERRIDES = [
     "debug.record_sample_ids=true",
     "task.warmup_steps=1",
     # dropout draws from each process's own RNG; equivalence is about the optimisation, so no dropout
     "task.classifier_dropout_prob=0.0",
+]
+# ... and under which collaborative peers do (sync equivalence).
+EQUIVALENCE_OVERRIDES = [
+    *REPLAYABLE_OVERRIDES,
+    "collaboration.expected_peers=2",
+    "collaboration.compression=none",
+    "collaboration.semantics=sync",
+    "training.local_batch_size=16",
     # a peer still finishing its micro-batch when the round starts must not be dropped from it
     "collaboration.matchmaking_time=4.0",
     "collaboration.averaging_timeout=60",

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 SEMANTICS = ("sync", "dpu", "local")
 BASELINE = "ddp"
+PROGRESS_SECONDS = 15.0  # how often a running setup's progress is logged
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,21 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def torchrun_command(workers: int, config_path: str) -> List[str]:
+    """The HPC baseline as a user starts it: torchrun runs ``workers`` processes of scripts/train.py on this machine,
+    meeting on a free port; overrides follow."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={workers}",
+        f"--master_port={free_port()}",
+        "scripts/train.py",
+        "--config",
+        config_path,
+    ]
+
+
 def launch_command(setup: Setup, config_path: str, overrides: Sequence[str], run_dir: Path, workers: int) -> List[str]:
     if setup.kind == "single":
         return [
@@ -89,14 +105,7 @@ def launch_command(setup: Setup, config_path: str, overrides: Sequence[str], run
         ]
     if setup.kind == "ddp":
         return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={workers}",
-            f"--master_port={free_port()}",
-            "scripts/train.py",
-            "--config",
-            config_path,
+            *torchrun_command(workers, config_path),
             "--name",
             "ddp",
             *overrides,
@@ -130,7 +139,6 @@ def run_setup(
     max_steps: int,
     timeout: float,
     stop: StopFlag,
-    progress_seconds: float = 15.0,
 ) -> SetupRun:
     """Run one setup in its own process group, logging its progress; stop the whole group on timeout or signal."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -152,7 +160,7 @@ def run_setup(
                     if not stop.is_set()
                     else f"stopped by {stop.signal_name} during setup {setup.name}"
                 )
-            if time.monotonic() - last_log >= progress_seconds:
+            if time.monotonic() - last_log >= PROGRESS_SECONDS:
                 log_progress(setup, history.read(), elapsed, max_steps)
                 last_log = time.monotonic()
             time.sleep(0.5)

@@ -24,7 +24,7 @@ from common.config import load_config
 from common.dashboard import HEADLESS_CHROMIUM_FLAGS, URL_FILE, Dashboard, DashboardServer, StepSeries
 from common.errors import ConfigError, UserError
 from common.swarm import LocalSwarm
-from tests.helpers import ROOT, TINY_ALBERT, assert_no_processes_left, read_jsonl
+from tests.helpers import ROOT, TINY_ALBERT, assert_no_processes_left, read_jsonl, swarm_overrides
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = [*HEADLESS_CHROMIUM_FLAGS, "--window-size=1400,1800"]
@@ -264,16 +264,6 @@ SEEN = """(() => {
 })()"""
 
 
-def swarm_overrides(tiny_overrides, steps: int) -> list:
-    return [
-        *tiny_overrides,
-        f"training.max_global_steps={steps}",
-        "collaboration.target_batch_size=128",
-        "collaboration.expected_peers=2",
-        "monitor.checkpoint_every_steps=0",
-    ]
-
-
 def start_swarm_with_dashboard(swarm: LocalSwarm, trainers=("trainer0", "trainer1")) -> str:
     """A monitor with its page on a free port, then the trainers; returns the page's URL."""
     swarm.start_first_peer("monitor", "monitor", ["monitor.dashboard=true", "monitor.dashboard_port=0"])
@@ -292,7 +282,7 @@ def monitor_log_errors(run_dir: Path) -> list:
 def test_a_browser_sees_the_live_run(tmp_path, tiny_overrides):
     steps = 8
     trainers = ["trainer0", "trainer1"]
-    with LocalSwarm(TINY_ALBERT, tmp_path / "run", swarm_overrides(tiny_overrides, steps)) as swarm:
+    with LocalSwarm(TINY_ALBERT, tmp_path / "run", swarm_overrides(tiny_overrides, steps, 128, 2)) as swarm:
         url = start_swarm_with_dashboard(swarm)
         browser = HeadlessChromium(tmp_path / "profile")
         try:
@@ -348,7 +338,7 @@ def test_bad_requests_get_clean_errors_while_the_monitor_keeps_recording(tmp_pat
     trainers = ["trainer0", "trainer1"]
     run_dir = tmp_path / "run"
     history_path = run_dir / "monitor/history.jsonl"
-    with LocalSwarm(TINY_ALBERT, run_dir, swarm_overrides(tiny_overrides, steps)) as swarm:
+    with LocalSwarm(TINY_ALBERT, run_dir, swarm_overrides(tiny_overrides, steps, 128, 2)) as swarm:
         url = start_swarm_with_dashboard(swarm)
         deadline = time.monotonic() + 300
         while len(read_jsonl(history_path)) < 1 and time.monotonic() < deadline:
@@ -387,7 +377,7 @@ def test_bad_requests_get_clean_errors_while_the_monitor_keeps_recording(tmp_pat
     assert_no_processes_left(tmp_path)
 
     # a restarted monitor reloads history.jsonl: the page shows the whole run again
-    with LocalSwarm(TINY_ALBERT, run_dir, swarm_overrides(tiny_overrides, steps)) as swarm:
+    with LocalSwarm(TINY_ALBERT, run_dir, swarm_overrides(tiny_overrides, steps, 128, 2)) as swarm:
         url = start_swarm_with_dashboard(swarm, trainers=())
         deadline = time.monotonic() + 60
         state = json.loads(get(url + "api/state")[1])

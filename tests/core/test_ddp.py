@@ -5,25 +5,22 @@ import torch
 from transformers import AlbertForPreTraining
 
 from common.config import load_config
-from tests.helpers import TINY_ALBERT, max_difference, read_step_logs, replay_single_process, run_ddp_training
+from tests.helpers import (
+    REPLAYABLE_OVERRIDES,
+    TINY_ALBERT,
+    max_difference,
+    read_step_logs,
+    replay_single_process,
+    run_ddp_training,
+)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_ddp_two_workers_equal_single_process_on_the_same_samples(tmp_path, tiny_overrides):
+def test_ddp_two_workers_equal_single_process_on_the_same_samples(tmp_path, tiny_ddp_overrides):
     steps = 3
-    overrides = [
-        *tiny_overrides,
-        "training.backend=ddp",
-        f"training.max_global_steps={steps}",
-        "collaboration.target_batch_size=64",
-        "training.local_batch_size=16",
-        "debug.record_sample_ids=true",
-        "task.warmup_steps=1",
-        "task.classifier_dropout_prob=0.0",
-        f"training.output_dir={tmp_path}",
-    ]
-    result = run_ddp_training(*overrides)
+    overrides = [*tiny_ddp_overrides, *REPLAYABLE_OVERRIDES, f"training.max_global_steps={steps}"]
+    result = run_ddp_training(*overrides, f"training.output_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
     history = (tmp_path / "history.jsonl").read_text().splitlines()
     assert len(history) == steps  # one aggregated line per global step, written by worker 0

@@ -3,6 +3,7 @@ a corrupt checkpoint and a whole-swarm restart from the last checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -22,7 +23,7 @@ from common.checkpoints import list_checkpoints
 from common.peer import ADDRESS_FILE
 from common.report import max_parameter_difference
 from common.swarm import LocalSwarm
-from tests.helpers import FP16_TOLERANCE, ROOT, assert_no_processes_left, read_jsonl
+from tests.helpers import FP16_TOLERANCE, ROOT, assert_no_processes_left, read_jsonl, swarm_overrides
 
 TINY = str(ROOT / "configs/albert/tiny.yaml")
 
@@ -54,13 +55,7 @@ def wait_for_log(path: Path, text: str, count: int, timeout: float) -> None:
 @pytest.mark.timeout(720)
 def test_crashes_late_joiners_and_a_mismatched_model(tmp_path, tiny_overrides):
     steps = 12
-    overrides = [
-        *tiny_overrides,
-        f"training.max_global_steps={steps}",
-        "collaboration.target_batch_size=256",
-        "collaboration.expected_peers=2",
-        "monitor.checkpoint_every_steps=0",
-    ]
+    overrides = swarm_overrides(tiny_overrides, steps, target_batch_size=256, expected_peers=2)
     monitor_dir = tmp_path / "monitor"
     with LocalSwarm(TINY, tmp_path, overrides) as swarm:
         swarm.start_first_peer("monitor", "monitor")
@@ -308,6 +303,19 @@ def test_forked_children_do_not_take_over_the_peers_signal_handler():
     assert result.stdout.strip() == f"child exit code {-signal.SIGTERM} | peer stop flag set: False", result
 
 
+@contextlib.contextmanager
+def records_of(logger: logging.Logger):
+    """The records ``logger`` passes (its filters applied) while the block runs, in order."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
 def _pickle_a_pipe_end_and_exit(queue) -> None:
     from multiprocessing.reduction import ForkingPickler
 
@@ -326,11 +334,7 @@ def test_a_dht_request_from_an_exited_process_is_logged_as_info_not_error():
     sender.start()
     request = queue.get(timeout=30)
     sender.join(30)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
     dht_logger = logging.getLogger("hivemind.dht.dht")
-    dht_logger.addHandler(handler)
     quiet_requests_from_exited_processes()
 
     def _run(payload) -> None:  # named like hivemind's DHT loop, where the record comes from
@@ -343,10 +347,8 @@ def test_a_dht_request_from_an_exited_process_is_logged_as_info_not_error():
         except OSError as error:
             dht_logger.exception(error)
 
-    try:
+    with records_of(dht_logger) as records:
         _run(request)
-    finally:
-        dht_logger.removeHandler(handler)
     dropped, unrelated = records
     assert dropped.levelno == logging.INFO and dropped.exc_info is None
     assert dropped.getMessage() == "dropped a DHT request from a process that has already exited"
@@ -358,11 +360,7 @@ def test_a_round_without_partners_is_a_warning_and_other_averaging_errors_stay_e
 
     from common.hivemind_compat import GROUPLESS_ROUND, log_groupless_rounds_as_warnings
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
     averager_logger = logging.getLogger("hivemind.averaging.averager")
-    averager_logger.addHandler(handler)
     log_groupless_rounds_as_warnings()
 
     def _step(message: str) -> None:  # named like hivemind's averaging loop, where the record comes from
@@ -371,11 +369,9 @@ def test_a_round_without_partners_is_a_warning_and_other_averaging_errors_stay_e
         except AllreduceException as error:
             averager_logger.exception(error)
 
-    try:
+    with records_of(averager_logger) as records:
         _step(GROUPLESS_ROUND)
         _step("Averaging step failed: a peer sent corrupt data")
-    finally:
-        averager_logger.removeHandler(handler)
     groupless, corrupt = records
     assert groupless.levelno == logging.WARNING and groupless.exc_info is None
     assert corrupt.levelno == logging.ERROR and corrupt.exc_info is not None

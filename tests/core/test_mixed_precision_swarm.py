@@ -13,20 +13,17 @@ import psutil
 import pytest
 import torch
 
-from common.config import load_config
-from common.swarm import LocalSwarm
-from tests.core.test_swarm import degraded_rounds
+from common.tools.comparison import torchrun_command
 from tests.helpers import (
     EQUIVALENCE_OVERRIDES,
-    PYTHON,
     ROOT,
     TINY_ALBERT,
     assert_no_processes_left,
-    free_port,
+    degraded_rounds,
+    differences_from_replay,
     max_difference,
     read_jsonl,
-    read_step_logs,
-    replay_single_process,
+    run_trainers,
 )
 
 FP16_ON_CPU = ["training.precision=fp16", "debug.fp16_on_cpu=true"]
@@ -51,13 +48,7 @@ def test_fp16_sync_swarm_with_an_overflow_equals_single_process_and_every_peer_s
         *EQUIVALENCE_OVERRIDES,
     ]
     trainers = ["trainer0", "trainer1"]
-    with LocalSwarm(TINY_ALBERT, tmp_path, overrides) as swarm:
-        swarm.start_first_peer("trainer", "trainer0")
-        swarm.start("trainer", "trainer1")
-        assert swarm.wait(trainers, timeout=400), "trainers did not finish in time"
-        assert all(swarm.peers[name].process.returncode == 0 for name in trainers), [
-            swarm.peers[name].log_tail() for name in trainers
-        ]
+    run_trainers(TINY_ALBERT, tmp_path, overrides, trainers, timeout=400)
     assert_no_processes_left(tmp_path)
     summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in trainers]
     # every peer discarded its overflowing micro-batch of step 1 and halved its scale: the scales stay equal
@@ -67,13 +58,9 @@ def test_fp16_sync_swarm_with_an_overflow_equals_single_process_and_every_peer_s
 
     # the step logs hold only the micro-batches that reached a step, each with the loss scale its backward ran at:
     # one process on exactly those, in the same fp16 autocast at those scales, gives the same parameters
-    records = read_step_logs([tmp_path / name / "steps.jsonl" for name in trainers])
-    reference = replay_single_process(
-        load_config(TINY_ALBERT, [*overrides, "training.backend=single"]), records, steps
-    )
+    differences = differences_from_replay(TINY_ALBERT, tmp_path, overrides, trainers, steps)
     finals = [torch.load(tmp_path / name / "final_model.pt") for name in trainers]
     assert max_difference(finals[0], finals[1]) == 0.0  # both applied the same averaged gradients, byte for byte
-    differences = [max_difference(final, reference) for final in finals]
     assert max(differences) < 1e-5, (differences, degraded_rounds([tmp_path / name for name in trainers]))
 
 
@@ -82,18 +69,7 @@ def torchrun(output_dir, overrides, log_path, **popen_options) -> subprocess.Pop
     goes on could fill up and stall it)."""
     with open(log_path, "w") as log:
         return subprocess.Popen(
-            [
-                PYTHON,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node=2",
-                f"--master_port={free_port()}",
-                "scripts/train.py",
-                "--config",
-                TINY_ALBERT,
-                *overrides,
-                f"training.output_dir={output_dir}",
-            ],
+            [*torchrun_command(2, TINY_ALBERT), *overrides, f"training.output_dir={output_dir}"],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -121,17 +97,14 @@ SCHEDULER_ORDER_WARNINGS = ("has been overridden after learning rate scheduler",
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ddp_killed_mid_run_resumes_from_its_newest_checkpoint(tmp_path, tiny_overrides):
+def test_ddp_killed_mid_run_resumes_from_its_newest_checkpoint(tmp_path, tiny_ddp_overrides):
     steps = 16
     overrides = [
-        *tiny_overrides,
+        *tiny_ddp_overrides,
         *FP16_ON_CPU,
-        "training.backend=ddp",
         f"training.max_global_steps={steps}",
         "training.checkpoint_every_steps=3",
         "training.keep_checkpoints=2",
-        "collaboration.target_batch_size=64",
-        "training.local_batch_size=16",
         "task.classifier_dropout_prob=0.0",
     ]
     checkpoints = tmp_path / "checkpoints"

@@ -7,9 +7,7 @@ import json
 import warnings
 
 import pytest
-import torch
 
-from common.config import load_config
 from common.report import build_report, format_report
 from common.swarm import LocalSwarm
 from tests.helpers import (
@@ -17,10 +15,11 @@ from tests.helpers import (
     FP16_TOLERANCE,
     ROOT,
     assert_no_processes_left,
-    max_difference,
+    degraded_rounds,
+    differences_from_replay,
     read_jsonl,
-    read_step_logs,
-    replay_single_process,
+    run_trainers,
+    swarm_overrides,
 )
 
 TINY = str(ROOT / "configs/albert/tiny.yaml")
@@ -30,13 +29,7 @@ TINY = str(ROOT / "configs/albert/tiny.yaml")
 @pytest.mark.timeout(600)
 def test_three_trainers_aux_and_monitor_train_together(tmp_path, tiny_overrides):
     steps = 5
-    overrides = [
-        *tiny_overrides,
-        f"training.max_global_steps={steps}",
-        "collaboration.target_batch_size=192",
-        "collaboration.expected_peers=3",
-        "monitor.checkpoint_every_steps=0",
-    ]
+    overrides = swarm_overrides(tiny_overrides, steps, target_batch_size=192, expected_peers=3)
     trainers = ["trainer0", "trainer1", "trainer2"]
     with LocalSwarm(TINY, tmp_path, overrides) as swarm:
         swarm.start_first_peer("monitor", "monitor")
@@ -71,25 +64,6 @@ def test_three_trainers_aux_and_monitor_train_together(tmp_path, tiny_overrides)
     assert f"(same within {FP16_TOLERANCE:.1e})" in format_report(report)
 
 
-# hivemind's fault-tolerance paths: a round that missed a peer or part of its results falls back to local values
-DEGRADED_ROUND_MARKERS = (
-    "Proceeding with local gradients",
-    "Averaging gradients failed",
-    "Averaging: received",
-    "Skipping pre-scheduled averaging round",
-    "used this peer's gradients only",
-)
-
-
-def degraded_rounds(peer_dirs) -> list:
-    return [
-        f"{peer_dir.name}: {line.strip()}"
-        for peer_dir in peer_dirs
-        for line in (peer_dir / "peer.log").read_text(errors="replace").splitlines()
-        if any(marker in line for marker in DEGRADED_ROUND_MARKERS)
-    ]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sync_collaboration_equals_single_process_on_the_same_samples(tmp_path, tiny_overrides):
@@ -111,17 +85,9 @@ def test_sync_collaboration_equals_single_process_on_the_same_samples(tmp_path, 
     attempts = []
     for attempt in range(2):
         run_dir = tmp_path / f"attempt{attempt}"
-        with LocalSwarm(TINY, run_dir, overrides) as swarm:
-            swarm.start_first_peer("trainer", "trainer0")
-            swarm.start("trainer", "trainer1")
-            assert swarm.wait(trainers, timeout=240), "trainers did not finish in time"
-            assert all(swarm.peers[name].process.returncode == 0 for name in trainers), [
-                swarm.peers[name].log_tail() for name in trainers
-            ]
-        records = read_step_logs([run_dir / name / "steps.jsonl" for name in trainers])
-        reference = replay_single_process(load_config(TINY, [*overrides, "training.backend=single"]), records, steps)
+        run_trainers(TINY, run_dir, overrides, trainers, timeout=240)
         # float32 sums in a different order (butterfly all-reduce vs one accumulator): measured 6e-8 to 1.2e-7
-        differences = [max_difference(torch.load(run_dir / name / "final_model.pt"), reference) for name in trainers]
+        differences = differences_from_replay(TINY, run_dir, overrides, trainers, steps)
         degraded = degraded_rounds([run_dir / name for name in trainers])
         attempts.append((differences, degraded))
         if max(differences) < 1e-5 or not degraded:

@@ -17,7 +17,7 @@ from common.tools.netns import (
     list_namespaces,
     load_network_setup,
 )
-from tests.helpers import needs_network_namespaces
+from tests.helpers import needs_network_namespaces, python_on_host, running
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,22 +74,13 @@ def test_hosts_reach_each_other_and_no_inbound_host_refuses(no_leaked_namespaces
     connect = "import socket,sys; socket.create_connection((sys.argv[1], 7000), timeout=2).close()"
     with EmulatedNetwork(hosts) as network:
         for server, client in ((0, 1), (1, 0)):
-            listener = subprocess.Popen(
-                network.command_prefix(server) + [sys.executable, "-c", listen, network.host_ip(server)],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            try:
+            address = network.host_ip(server)
+            listen_there = python_on_host(network, server, listen, address)
+            with running(listen_there, stdout=subprocess.PIPE, text=True) as listener:
                 assert listener.stdout.readline().strip() == "ready"
                 reached = subprocess.run(
-                    network.command_prefix(client) + [sys.executable, "-c", connect, network.host_ip(server)],
-                    capture_output=True,
-                    text=True,
-                    timeout=20,
+                    python_on_host(network, client, connect, address), capture_output=True, text=True, timeout=20
                 )
-            finally:
-                listener.kill()
-                listener.wait()
             if hosts[server].accepts_inbound:
                 assert reached.returncode == 0, reached.stderr  # outbound from behind NAT works
             else:

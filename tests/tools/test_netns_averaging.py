@@ -46,9 +46,7 @@ def test_client_mode_and_aux_peers_in_the_bound():
     assert bounds["bound_uniform_s"] == pytest.approx(1e6 * 8 / 10e6)
 
 
-def _run_benchmark(tmp_path, setup_yaml, *extra):
-    setup = tmp_path / "setup.yaml"
-    setup.write_text(setup_yaml)
+def _run_benchmark(tmp_path, setup: Path, *extra):
     before = set(list_namespaces())
     result = subprocess.run(
         [
@@ -85,12 +83,13 @@ def _run_benchmark(tmp_path, setup_yaml, *extra):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_peers_across_namespaces_average_correctly(tmp_path):
-    rows, _ = _run_benchmark(
-        tmp_path,
+    setup = tmp_path / "setup.yaml"
+    setup.write_text(
         "name: two\nhosts:\n"
         "  - {name: a, upload_mbit: 100, download_mbit: 100}\n"
-        "  - {name: b, upload_mbit: 50, download_mbit: 50}\n",
+        "  - {name: b, upload_mbit: 50, download_mbit: 50}\n"
     )
+    rows, _ = _run_benchmark(tmp_path, setup)
     (row,) = rows
     assert row["rounds_ok"] == "2"
     assert float(row["max_relative_l2_error"]) < 1e-3  # fp16 on the wire
@@ -102,14 +101,9 @@ def test_two_peers_across_namespaces_average_correctly(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_client_mode_peer_behind_no_inbound_host_contributes(tmp_path):
-    # each peer holds (rank + 1) x a shared pattern; the result is only correct if the NAT peer's vector is in it
-    rows, _ = _run_benchmark(
-        tmp_path,
-        "name: nat\nhosts:\n"
-        "  - {name: public0, upload_mbit: 100, download_mbit: 100}\n"
-        "  - {name: public1, upload_mbit: 100, download_mbit: 100}\n"
-        "  - {name: home, upload_mbit: 20, download_mbit: 50, accepts_inbound: false}\n",
-    )
+    # the shipped NAT setup: two public hosts and one at home that accepts no inbound connections. Each peer holds
+    # (rank + 1) x a shared pattern; the result is only correct if the NAT peer's vector is in it
+    rows, _ = _run_benchmark(tmp_path, ROOT / "configs/network/nat3.yaml")
     (row,) = rows
     assert row["client_mode_peers"] == "1" and row["peers"] == "3"
     assert row["rounds_ok"] == "2"

@@ -1,13 +1,12 @@
 """Added latency on emulated hosts: the user-space delay line (common/tools/linkdelay.py) behind ``delay_ms``."""
 
 import subprocess
-import sys
 import time
 
 import pytest
 
 from common.tools.netns import EmulatedNetwork, HostSpec, list_namespaces
-from tests.helpers import needs_network_namespaces
+from tests.helpers import needs_network_namespaces, python_on_host, running
 
 # the server answers one byte per connection; the client times TCP handshakes (1 round trip each) and a
 # request-response (1 more), then streams 3 MB to check the delayed link still carries its rate
@@ -51,19 +50,10 @@ def measure(delays_ms, upload_mbit=40.0):
         HostSpec(f"h{i}", upload_mbit=upload_mbit, download_mbit=upload_mbit, delay_ms=d)
         for i, d in enumerate(delays_ms)
     ]
-    with EmulatedNetwork(hosts) as network:
-        server = subprocess.Popen(network.command_prefix(1) + [sys.executable, "-c", SERVER, network.host_ip(1)])
-        try:
-            time.sleep(0.5)
-            result = subprocess.run(
-                network.command_prefix(0) + [sys.executable, "-c", CLIENT, network.host_ip(1)],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-        finally:
-            server.kill()
-            server.wait()
+    with EmulatedNetwork(hosts) as network, running(python_on_host(network, 1, SERVER, network.host_ip(1))):
+        time.sleep(0.5)
+        client = python_on_host(network, 0, CLIENT, network.host_ip(1))
+        result = subprocess.run(client, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
     return [float(value) for value in result.stdout.split()]
 
