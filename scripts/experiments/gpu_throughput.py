@@ -25,7 +25,7 @@ import _bootstrap  # noqa: F401  (puts the repository on sys.path)
 import torch
 
 from common.backends import SingleProcessBackend
-from common.config import load_config
+from common.config import import_task_module, load_config
 from common.lifecycle import setup_logging
 from common.peer import device_for
 from common.precision import autocast, resolve_precision
@@ -48,13 +48,18 @@ TINY = {
 }
 
 
-def plain_loop(config, seconds: float, accumulate: int) -> dict:
-    """The baseline: the same model, data stream and optimizer, with nothing of ours around the step."""
-    task_module = __import__(f"{config.task_module}.task", fromlist=["build_task"])
+def seeded_task(config) -> tuple:
+    """The run's task built from torch seed 0 (every loop starts from the same model), the device it trains on and
+    the precision it trains at."""
     device = device_for(config)
     precision = resolve_precision(config.training.precision, device)
     torch.manual_seed(0)
-    task = task_module.build_task(config)
+    return import_task_module(config.task_module).build_task(config), device, precision
+
+
+def plain_loop(config, seconds: float, accumulate: int) -> dict:
+    """The baseline: the same model, data stream and optimizer, with nothing of ours around the step."""
+    task, device, precision = seeded_task(config)
     model = task.model.to(device).train()
     optimizer = task.make_optimizer(task.optimizer_param_groups())
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -83,11 +88,7 @@ def plain_loop(config, seconds: float, accumulate: int) -> dict:
 
 
 def our_single(config, seconds: float, output_dir: Path) -> dict:
-    task_module = __import__(f"{config.task_module}.task", fromlist=["build_task"])
-    device = device_for(config)
-    precision = resolve_precision(config.training.precision, device)
-    torch.manual_seed(0)
-    task = task_module.build_task(config)
+    task, device, precision = seeded_task(config)
     task.model.to(device)
     backend = SingleProcessBackend(task, config.collaboration.target_batch_size, precision=precision)
     trainer = Trainer(

@@ -11,17 +11,8 @@ from tests.helpers import assert_no_processes_left, run_script
 @pytest.mark.timeout(600)
 def test_gpu_throughput_script_runs_tiny_on_cpu(tmp_path):
     output = tmp_path / "throughput.json"
-    result = run_script(
-        "scripts/experiments/gpu_throughput.py",
-        "--tiny",
-        "--seconds",
-        "8",
-        "--output",
-        str(output),
-        "--runs",
-        str(tmp_path / "runs"),
-        timeout=540,
-    )
+    options = ["--tiny", "--seconds", "8", "--output", str(output), "--runs", str(tmp_path / "runs")]
+    result = run_script("scripts/experiments/gpu_throughput.py", *options, timeout=540)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(output.read_text())
     assert results["device"] == "cpu"
