@@ -18,6 +18,7 @@ from common.auth import averaging_run_id
 from common.checkpoints import load_latest_checkpoint, save_checkpoint
 from common.config import RunConfig, import_task_module, to_container
 from common.dashboard import start_dashboard
+from common.errors import PeerError
 from common.identity import peer_id_of_record_owner
 from common.lifecycle import StopFlag
 from common.metrics import HistoryWriter, PeerMetrics, StepAggregate, StepAggregator, metrics_key
@@ -26,6 +27,8 @@ from common.task import EXPORT_DIR, ExportFacts
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_RETRY_MAX_SECONDS = 16.0
+FINAL_POLL_SECONDS = 5.0  # the last look for records while stopping
+DHT_ALIVE_CHECK_SECONDS = 1.0  # how often a wait for the DHT's answer checks that its process still runs
 
 
 class MetricsLogger:
@@ -150,8 +153,27 @@ class Monitor:
         self.last_checkpoint_step = state["step"]
         logger.info(f"serving checkpoint state of global step {state['step']} to joining trainers")
 
-    def poll(self) -> None:
-        entry = self.dht.get(metrics_key(self.config.collaboration.run_id), latest=True)
+    def poll(self, timeout: Optional[float] = None) -> bool:
+        """Read every peer's recent step records (``timeout``: give up after that many seconds); False if the
+        DHT process has ended.
+
+        SIGTERM to the monitor's whole process group (a service manager, ``kill -- -PGID``) also reaches its
+        hivemind children: the DHT and averager processes end at once (``StopFlag`` lets forked children die of
+        SIGTERM) and p2pd with them. A request to a DHT process that has ended is never answered, so the wait
+        checks that the process still runs.
+        """
+        request = self.dht.get(metrics_key(self.config.collaboration.run_id), latest=True, return_future=True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                entry = request.result(timeout=DHT_ALIVE_CHECK_SECONDS)
+                break
+            except TimeoutError:
+                if not self.dht.is_alive():
+                    return False
+                if deadline is not None and time.monotonic() > deadline:
+                    logger.warning(f"the DHT did not answer within {timeout:.0f} s: the last records are not read")
+                    return True
         if entry is not None and isinstance(entry.value, dict):
             for subkey, subkey_entry in entry.value.items():
                 peer_id = peer_id_of_record_owner(subkey)  # the signing key, not a field its author could forge
@@ -165,6 +187,7 @@ class Monitor:
                     self.dashboard.saw_peer(peer_id, peer.peer_name, max(record.time for record in peer.recent))
                 for record in peer.recent:
                     self.aggregator.add(peer_id, peer.peer_name, record)
+        return True
 
     def publish_ready(self, flush: bool = False) -> None:
         ready = self.aggregator.pop_ready(flush=flush)
@@ -254,11 +277,15 @@ class Monitor:
         logger.info("monitor running: aggregating metrics per global step")
         try:
             while not self.stop.wait(self.config.monitor.refresh_seconds):
-                self.poll()
+                if not self.poll():
+                    if self.stop.is_set():
+                        break  # stopping: the signal reached the DHT process too
+                    raise PeerError("the monitor's DHT process ended unexpectedly: restart the monitor")
                 self.publish_ready()
                 self.maybe_checkpoint()
         finally:
-            self.poll()
+            if not self.poll(timeout=FINAL_POLL_SECONDS):
+                logger.info("the DHT process has already ended (the stop signal reached the whole process group)")
             self.publish_ready(flush=True)
             self.shutdown()
 
@@ -266,7 +293,9 @@ class Monitor:
         if self.dashboard is not None:
             self.dashboard.stop()
         self.metrics.finish()
-        if self.state_averager is not None:
+        # hivemind logs an ERROR when asked to shut down an averager process that already ended (a group SIGTERM);
+        # the DHT's own shutdown checks that first
+        if self.state_averager is not None and self.state_averager.is_alive():
             self.state_averager.shutdown()
         self.dht.shutdown()
 
