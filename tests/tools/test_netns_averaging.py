@@ -2,17 +2,15 @@
 
 import csv
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from common.tools import allreduce as benchmark
 from common.tools.netns import HostSpec, list_namespaces
-from tests.helpers import needs_network_namespaces
+from tests.helpers import ROOT, needs_network_namespaces, run_script
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "experiments" / "averaging_benchmark.py"
+SCRIPT = "scripts/experiments/averaging_benchmark.py"
 
 
 def test_symmetric_bound_is_two_n_minus_one_over_n_of_the_vector_over_one_link():
@@ -48,29 +46,8 @@ def test_client_mode_and_aux_peers_in_the_bound():
 
 def _run_benchmark(tmp_path, setup: Path, *extra):
     before = set(list_namespaces())
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--setups",
-            str(setup),
-            "--params",
-            "200000",
-            "--rounds",
-            "2",
-            "--matchmaking-time",
-            "1",
-            "--setup-timeout",
-            "100",
-            "--output-dir",
-            str(tmp_path),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        cwd=ROOT,
-    )
+    small = ["--params", "200000", "--rounds", "2", "--matchmaking-time", "1", "--setup-timeout", "100"]
+    result = run_script(SCRIPT, "--setups", str(setup), *small, "--output-dir", str(tmp_path), *extra, timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
     assert set(list_namespaces()) == before, "namespaces left behind"
     leftover = subprocess.run(["pgrep", "-f", "common.tools.allreduce"], capture_output=True, text=True)
