@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import shlex
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import hivemind
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
@@ -72,7 +72,45 @@ def start_dht(
             f"no initial peer answered as a DHT server within {network.bootstrap_timeout:.0f} s "
             f"(unreachable, or every peer is in client mode): {initial_peers}"
         )
+    problem = unrouted_addresses_problem(initial_peers if initial_peers else visible_multiaddrs(dht))
+    if problem is not None:
+        logger.warning(problem)
     return dht
+
+
+# Address ranges reserved for documentation and benchmarks (RFC 5737, RFC 2544). The peer routing of p2pd (libp2p's
+# Kademlia DHT) never adds a peer connected through such an address to its routing table, so no third peer can
+# find it by peer id: every p2p stream to it fails with "routing: not found" and it averages with nobody, although
+# hivemind's own DHT (reached through the directly dialled initial peer) works. Checked with three p2pd daemons in
+# a network namespace per range, the third dialling the second by id after both joined through the first: these
+# four fail; 10/8, 172.16/12, 192.168/16, 100.64/10, loopback and a public address work.
+UNROUTED_BY_LIBP2P = tuple(
+    ipaddress.ip_network(block) for block in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24", "198.18.0.0/15")
+)
+
+
+def unrouted_addresses_problem(addresses: Sequence[str]) -> Optional[str]:
+    """A warning when the swarm would be joined through ``addresses`` (the initial peers, or this peer's own for the
+    first peer) and every IP address among them is one libp2p's peer routing ignores; None otherwise."""
+    ips = [_ip_of(address) for address in addresses]
+    ips = [ip for ip in ips if ip is not None]
+    if not ips or not all(any(ip in block for block in UNROUTED_BY_LIBP2P) for ip in ips):
+        return None
+    return (
+        f"the swarm is joined through {', '.join(str(ip) for ip in ips)}, in a range reserved for documentation "
+        f"or benchmarks that libp2p's peer routing ignores: peers will not find each other by peer id (\"routing: "
+        f'not found") and gradient averaging will find no group. On one machine listen on loopback '
+        f"(network.host_maddrs=[/ip4/127.0.0.1/tcp/0]) and join through the loopback address; across machines use "
+        f"private or public addresses (network.announce_maddrs)"
+    )
+
+
+def _ip_of(address: str) -> Optional[Union[ipaddress.IPv4Address, ipaddress.IPv6Address]]:
+    parsed = Multiaddr(address)
+    for family in ("ip4", "ip6"):
+        if family in [protocol.name for protocol in parsed.protocols()]:
+            return ipaddress.ip_address(parsed.value_for_protocol(family))
+    return None
 
 
 async def _count_neighbours(_dht, node) -> int:

@@ -1,11 +1,13 @@
 """Downloading the swarm's state gives up after a bounded time with one line; a peer that cannot be reached is one
-INFO line, not an ERROR with a traceback."""
+INFO line, not an ERROR with a traceback; addresses libp2p cannot route ("routing: not found") are named at
+start-up."""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -13,11 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.dht import unrouted_addresses_problem
 from common.errors import PeerError
 from common.hivemind_compat import _download_state, log_unreachable_state_sources_as_info
 from tests.helpers import PYTHON, ROOT, assert_no_processes_left, run_script
 
 TINY = str(ROOT / "configs/albert/tiny.yaml")
+PEER_ID = "QmQ6acdJ7VhbtgoXCRF6qiWLLtJQQFMzdNE4MaLQizCQ7U"  # any well-formed peer id
 
 
 class FakeAverager:
@@ -203,3 +207,63 @@ def test_a_trainer_whose_only_peer_never_serves_state_exits_2_with_one_line(tmp_
     gave_up_after = float(re.search(r"attempts in ([0-9.]+) s", errors[0]).group(1))
     assert deadline <= gave_up_after < deadline + 2
     assert_no_processes_left(tmp_path)
+
+
+def test_joining_through_addresses_libp2p_does_not_route_is_named():
+    problem = unrouted_addresses_problem([f"/ip4/192.0.2.2/tcp/4000/p2p/{PEER_ID}"])
+    assert problem is not None and "192.0.2.2" in problem and "routing: not found" in problem
+    assert "network.host_maddrs=[/ip4/127.0.0.1/tcp/0]" in problem
+    for fine in (
+        [f"/ip4/127.0.0.1/tcp/4000/p2p/{PEER_ID}"],
+        [f"/ip4/10.0.0.7/tcp/4000/p2p/{PEER_ID}"],
+        [
+            f"/ip4/192.0.2.2/tcp/4000/p2p/{PEER_ID}",
+            f"/ip4/127.0.0.1/tcp/4000/p2p/{PEER_ID}",
+        ],  # one routable way in is enough
+        [f"/dns4/example.org/tcp/4000/p2p/{PEER_ID}"],
+        [],
+    ):
+        assert unrouted_addresses_problem(fine) is None, fine
+
+
+# Three p2pd daemons on one address of the given range (inside a fresh network namespace): the third dials the
+# second by peer id after both joined through the first. Prints what opening a stream said.
+ROUTING_PROBE = """
+import asyncio, sys
+from hivemind.p2p import P2P
+
+async def main(prefix):
+    first = await P2P.create(host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+    entry = [m for m in await first.get_visible_maddrs() if str(m).startswith("/ip4/" + prefix)]
+    second = await P2P.create(initial_peers=entry, host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+    third = await P2P.create(initial_peers=entry, host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+    await asyncio.sleep(1)
+    try:
+        await third.call_binary_stream_handler(second.peer_id, "no_such_handler")
+    except Exception as error:
+        print(error)
+    for peer in (third, second, first):
+        await peer.shutdown()
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+@pytest.mark.parametrize(
+    "address, routed", [("192.0.2.9/24", False), ("198.51.100.9/24", False), ("10.99.0.9/8", True)]
+)
+def test_libp2p_finds_peers_by_id_only_outside_reserved_ranges(address, routed):
+    # the fact behind unrouted_addresses_problem: if a new p2pd routes these ranges, the warning must go
+    prefix = address.split("/")[0].rsplit(".", 1)[0] + "."
+    script = f"ip link set lo up && ip addr add {address} dev lo && {PYTHON} -c '{ROUTING_PROBE}' {prefix}"
+    result = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True, timeout=180)
+    said = result.stdout.strip()
+    assert said, result.stderr[-2000:]
+    assert ("routing: not found" not in said) == routed, said
+    if routed:
+        assert "protocols not supported" in said  # the stream reached the peer, which has no such handler
+    blocked = unrouted_addresses_problem([f"/ip4/{address.split('/')[0]}/tcp/1/p2p/{PEER_ID}"]) is not None
+    assert blocked != routed
