@@ -64,6 +64,9 @@ class StepAggregate:
     samples: int
     loss: float  # sample-weighted mean over peers
     seconds: float  # longest peer wall time for the step
+    # when the step ended for the swarm: the earliest record of it. A peer that fell behind (a state reload, a
+    # frozen laptop) publishes its record of the step later, up to the next step's end; with the latest record,
+    # the next step would look like thousands of samples per second.
     time: float
     metrics: Dict[str, float]
     contributions: Dict[str, int]  # peer id -> samples
@@ -104,7 +107,7 @@ def aggregate_step(step: int, records: Dict[str, StepRecord], names: Optional[Di
         samples=total,
         loss=sum(weights[name] * record.loss for name, record in records.items()),
         seconds=max(record.seconds for record in records.values()),
-        time=max(record.time for record in records.values()),
+        time=min(record.time for record in records.values()),
         metrics=metrics,
         contributions={peer: record.samples for peer, record in sorted(records.items())},
         names={peer: (names or {}).get(peer, peer) for peer in sorted(records)},

@@ -102,3 +102,14 @@ def test_join_command_is_portable_and_carries_the_run_defining_overrides():
     assert command == f"python scripts/train.py --config configs/albert/tiny.yaml --initial-peers {address}"
     moderated = join_command([address], "scripts/volunteer.py", "c.yaml", [], "http://h:1")
     assert moderated.startswith("python scripts/volunteer.py --config c.yaml --auth-server http://h:1 --initial-peers")
+
+
+def test_a_peer_publishing_a_step_late_does_not_make_the_next_step_look_instant():
+    # step 1 ended at t=2 for the swarm; one peer, busy reloading state, published its record of it at t=3.99,
+    # just before the swarm finished step 2 at t=4: the swarm's rate is still 512 samples per 2 s
+    aggregator = StepAggregator()
+    for peer_id, times in (("QmAAAAAAaaaaaa", (0.0, 2.0, 4.0)), ("QmBBBBBBbbbbbb", (0.0, 3.99, 4.0))):
+        for step, time in enumerate(times):
+            aggregator.add(peer_id, "trainer", StepRecord(step=step, samples=256, loss=5.0, seconds=1.0, time=time))
+    history = [aggregate.to_json() for aggregate in aggregator.pop_ready(flush=True)]
+    assert [entry["samples_per_second"] for entry in history[1:]] == pytest.approx([256.0, 256.0])
