@@ -24,6 +24,8 @@ why the project cannot take it as it is. Nothing else in the repository patches 
     averager goes on to the next peer and the caller reports the outcome.
 13. :func:`stream_results_to_zero_share_full_peers` -- a full peer that the load balancer gives no share of the
     all-reduce gets its averaged parts only after it has sent its whole vector, which cancels the balancing gain.
+14. :func:`read_8bit_tensors_with_numpy_2` -- with numpy >= 2, hivemind cannot read an 8-bit quantized tensor back,
+    so averaging with ``uniform8bit`` / ``blockwise8bit`` compression silently leaves peers with partial averages.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import warnings
 from typing import Callable, Sequence
 
 import hivemind
+import numpy as np
 import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.utils.crypto import RSAPrivateKey
@@ -405,3 +408,53 @@ def stream_results_to_zero_share_full_peers() -> None:
     DecentralizedAverager._run_allreduce_inplace_ = with_declared_modes
     DecentralizedAverager._declares_modes_to_runner = True
     AllReduceRunner.should_delay_results = holds_back_client_mode_peers
+
+
+def _header_int(buffer: bytes, offset: int = 0) -> int:
+    return int(np.frombuffer(buffer, offset=offset, count=1, dtype=np.int64)[0])
+
+
+def read_8bit_tensors_with_numpy_2() -> None:
+    """Read 8-bit quantized tensors back under numpy 2, exactly as hivemind writes them.
+
+    hivemind 1.1.12 parses the codebook size in front of a quantized tensor with ``int(np.frombuffer(..., count=1))``:
+    converting a 1-element array to ``int`` is an error in numpy 2. Every reducer then fails to read every part
+    sent to it, bans the sender ("Reducer: received 25.0% of input tensors"), and the peers end the round with
+    partial averages (relative error 0.6 on emulated links) or time out. Same layout and arithmetic, header read
+    with an index; the transport, the quantizers and the wire format are hivemind's.
+    """
+    from hivemind.compression.quantization import (
+        _BLOCKWISE_QUANTIZATION_BLOCKSIZE,
+        BlockwiseQuantization,
+        Quantization,
+    )
+
+    def extract(self, serialized_tensor) -> torch.Tensor:
+        buffer = serialized_tensor.buffer
+        codebook = np.frombuffer(buffer, offset=8, count=_header_int(buffer), dtype=self.codebook_dtype)
+        quantized = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
+        codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+        return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+    def extract_blockwise(self, serialized_tensor) -> torch.Tensor:
+        from bitsandbytes.functional import dequantize_blockwise  # hivemind's own requirement for this codec
+
+        buffer = serialized_tensor.buffer
+        absmax = np.frombuffer(buffer, offset=16, count=_header_int(buffer), dtype=self.codebook_dtype)
+        codebook_offset = 16 + absmax.nbytes
+        codebook = np.frombuffer(
+            buffer, offset=codebook_offset, count=_header_int(buffer, 8), dtype=self.codebook_dtype
+        )
+        quantized = np.frombuffer(buffer, offset=codebook_offset + codebook.nbytes, dtype=self.indices_dtype)
+        result = dequantize_blockwise(
+            torch.as_tensor(quantized).reshape(tuple(serialized_tensor.size)),
+            absmax=torch.as_tensor(absmax),
+            code=torch.as_tensor(codebook),
+            blocksize=_BLOCKWISE_QUANTIZATION_BLOCKSIZE,
+            nested=False,
+        )
+        return result.to(getattr(torch, serialized_tensor.dtype)).requires_grad_(serialized_tensor.requires_grad)
+
+    Quantization.extract = extract
+    BlockwiseQuantization.extract = extract_blockwise

@@ -170,9 +170,10 @@ def run_worker(plan: dict) -> None:
     from hivemind.averaging.control import AveragingStage
 
     torch.set_num_threads(1)
-    if plan["zero_share_results"] == "streamed":
-        from common.hivemind_compat import stream_results_to_zero_share_full_peers
+    from common.hivemind_compat import read_8bit_tensors_with_numpy_2, stream_results_to_zero_share_full_peers
 
+    read_8bit_tensors_with_numpy_2()  # as every trainer does
+    if plan["zero_share_results"] == "streamed":
         stream_results_to_zero_share_full_peers()
     if plan["trace_interval"] > 0:
         log_result_arrivals(Path(plan["results_file"]).with_name(f"arrivals_{plan['host']['name']}.jsonl"))
