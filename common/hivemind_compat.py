@@ -26,6 +26,8 @@ why the project cannot take it as it is. Nothing else in the repository patches 
     all-reduce gets its averaged parts only after it has sent its whole vector, which cancels the balancing gain.
 14. :func:`read_8bit_tensors_with_numpy_2` -- with numpy >= 2, hivemind cannot read an 8-bit quantized tensor back,
     so averaging with ``uniform8bit`` / ``blockwise8bit`` compression silently leaves peers with partial averages.
+15. :func:`log_ended_averagers_as_warnings` -- shutting down an averager whose process already ended (a SIGTERM
+    to the peer's whole process group ends it too) is logged as an ERROR with an empty traceback.
 """
 
 from __future__ import annotations
@@ -458,3 +460,31 @@ def read_8bit_tensors_with_numpy_2() -> None:
 
     Quantization.extract = extract
     BlockwiseQuantization.extract = extract_blockwise
+
+
+ENDED_AVERAGER = "Averager shutdown has no effect: the process is already not alive"
+
+
+class _EndedAverager(logging.Filter):
+    """Rewrites the record described in :func:`log_ended_averagers_as_warnings` as a one-line WARNING."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.funcName == "shutdown" and record.getMessage() == ENDED_AVERAGER:
+            record.msg, record.args = "an averager process had already ended when the peer shut it down", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def log_ended_averagers_as_warnings() -> None:
+    """Log "averager shutdown has no effect" as one WARNING line instead of an ERROR with an empty traceback.
+
+    ``DecentralizedAverager.shutdown`` calls ``logger.exception`` when the averager's process is no longer alive.
+    A SIGTERM to a peer's whole process group (``kill -TERM -- -PGID``, a service manager) reaches its forked
+    averager processes too, and they end at once (``common.lifecycle.StopFlag`` lets forked children die of
+    SIGTERM), so ``hivemind.Optimizer.shutdown`` finds them gone: nothing is left to stop. The line stays visible
+    as a WARNING because an averager process that died on its own is worth knowing about.
+    """
+    averager_logger = logging.getLogger("hivemind.averaging.averager")
+    if not any(isinstance(existing, _EndedAverager) for existing in averager_logger.filters):
+        averager_logger.addFilter(_EndedAverager())

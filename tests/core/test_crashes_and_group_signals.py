@@ -134,3 +134,29 @@ def test_monitor_exits_quickly_and_cleanly_on_sigterm_to_its_process_group(tmp_p
     noise = [line for line in stopping if any(marker in line for marker in ERROR_MARKERS)]
     assert not noise, "\n".join(noise)
     print(f"monitor exited {seconds:.1f} s after SIGTERM to its process group")
+
+
+def test_shutting_down_an_averager_that_already_ended_is_one_warning_line():
+    import logging
+
+    from common.hivemind_compat import ENDED_AVERAGER, log_ended_averagers_as_warnings
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    averager_logger = logging.getLogger("hivemind.averaging.averager")
+    averager_logger.addHandler(handler)
+    log_ended_averagers_as_warnings()
+
+    def shutdown(message: str) -> None:  # named like hivemind's averager method, where the record comes from
+        averager_logger.exception(message)
+
+    try:
+        shutdown(ENDED_AVERAGER)
+        shutdown("Averager shutdown failed for another reason")
+    finally:
+        averager_logger.removeHandler(handler)
+    ended, other = records
+    assert ended.levelno == logging.WARNING and ended.exc_info is None
+    assert ended.getMessage() == "an averager process had already ended when the peer shut it down"
+    assert other.levelno == logging.ERROR  # never hidden
