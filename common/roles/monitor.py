@@ -231,7 +231,7 @@ class Monitor:
             self.next_checkpoint_attempt = time.monotonic() + delay
             logger.warning(
                 f"no peer served a state newer than global step {self.last_checkpoint_step} for a checkpoint "
-                f"(attempt {self.checkpoint_failures}); retrying in {delay:.0f} s"
+                f"(attempt {self.checkpoint_failures}{failure}); retrying in {delay:.0f} s"
             )
             return
         self.checkpoint_failures = 0
