@@ -1,7 +1,8 @@
 """Every workaround for the pinned hivemind (1.1.12), each with the behaviour it works around.
 
 Upgrading hivemind means re-checking exactly this file: each function names what the pinned release does and
-why the project cannot take it as it is. Nothing else in the repository patches or reaches into hivemind.
+why the project cannot take it as it is. Nothing else in the core patches hivemind (the averaging benchmark's
+diagnostics in common/tools/allreduce.py log its internals, in the benchmark's own processes only).
 
 1. :func:`prefill_optimizer_state` -- hivemind creates missing optimizer state with a virtual zero-gradient step.
 2. :func:`skip_nonfinite_steps` -- a partial all-reduce can average to NaN/Inf.
