@@ -176,7 +176,11 @@ class _RequestFromExitedProcess(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         if record.funcName == "_run" and isinstance(error, (FileNotFoundError, ConnectionError)):
             frames = traceback.extract_tb(record.exc_info[2])
-            if any(frame.filename.endswith("multiprocessing/resource_sharer.py") for frame in frames):
+            if any(
+                frame.filename.endswith("multiprocessing/resource_sharer.py")
+                or frame.name == _detach_from_sender.__name__
+                for frame in frames
+            ):
                 record.msg, record.args = "dropped a DHT request from a process that has already exited", ()
                 record.exc_info, record.exc_text = None, None
                 record.levelno, record.levelname = logging.INFO, "INFO"
@@ -189,14 +193,32 @@ def quiet_requests_from_exited_processes() -> None:
     Every hivemind process talks to the DHT process through one pipe; a request carries a future whose reply pipe is
     pickled as a handle that the DHT process fetches from the *sender's* ``multiprocessing`` resource sharer when it
     reads the request. An averager being shut down can exit between sending a request and the DHT reading it: the
-    fetch then fails (``FileNotFoundError``, or a refused or reset connection, in ``resource_sharer``), and
-    ``DHT.run`` logs an ERROR with a traceback. Nobody waits for that reply any more, so nothing is lost; the DHT
+    fetch then fails in ``resource_sharer`` (``FileNotFoundError``, a refused or reset connection, ``EOFError``),
+    and ``DHT.run`` logs an ERROR with a traceback. Nobody waits for that reply any more, so nothing is lost; the DHT
     goes on serving. Only that exact record is rewritten: any other error from ``DHT.run`` keeps its level. Called
     before the DHT process is forked, so the filter is inherited by it.
     """
     dht_logger = logging.getLogger("hivemind.dht.dht")
     if not any(isinstance(existing, _RequestFromExitedProcess) for existing in dht_logger.filters):
         dht_logger.addFilter(_RequestFromExitedProcess())
+    # the fetch can also end in EOFError (the sender's sharer thread went away mid-handoff), which ``DHT.run`` does
+    # not catch: its process would die with a traceback during shutdown. Reported as the connection error it is.
+    from multiprocessing import resource_sharer
+
+    if getattr(resource_sharer, "DupFd", None) is not None and resource_sharer.DupFd.detach is not _detach_from_sender:
+        global _original_detach
+        _original_detach = resource_sharer.DupFd.detach
+        resource_sharer.DupFd.detach = _detach_from_sender
+
+
+_original_detach = None
+
+
+def _detach_from_sender(self):
+    try:
+        return _original_detach(self)
+    except EOFError as error:
+        raise ConnectionResetError("the process that sent this handle has exited") from error
 
 
 GROUPLESS_ROUND = "Averaging step failed: could not find a group"

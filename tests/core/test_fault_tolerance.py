@@ -355,6 +355,33 @@ def test_a_dht_request_from_an_exited_process_is_logged_as_info_not_error():
     assert unrelated.levelno == logging.ERROR and unrelated.exc_info is not None  # never hidden
 
 
+def test_a_handle_whose_sender_vanished_mid_handoff_is_a_connection_error_not_a_dead_dht(monkeypatch):
+    # seen at shutdown: the DHT process read a request whose reply pipe it could not fetch (EOFError in the
+    # resource sharer); hivemind's loop catches connection errors only, so its process died with a traceback
+    from multiprocessing import reduction, resource_sharer
+
+    from common.hivemind_compat import quiet_requests_from_exited_processes
+
+    quiet_requests_from_exited_processes()
+
+    class _Connection:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            return False
+
+    def vanished_sender(connection):
+        raise EOFError
+
+    monkeypatch.setattr(resource_sharer._resource_sharer, "get_connection", lambda ident: _Connection())
+    monkeypatch.setattr(reduction, "recv_handle", vanished_sender)
+    handle = object.__new__(resource_sharer.DupFd)
+    handle._id = ("nowhere", 0)
+    with pytest.raises(ConnectionResetError, match="has exited"):
+        handle.detach()
+
+
 def test_a_round_without_partners_is_a_warning_and_other_averaging_errors_stay_errors():
     from hivemind.averaging.partition import AllreduceException
 
