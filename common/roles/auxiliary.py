@@ -33,8 +33,12 @@ POLL_SECONDS = 0.05
 LEAVE_WITHIN_SECONDS = 5.0
 
 
-def leave_promptly_when_stopped(stop: StopFlag, finished: threading.Event, shutdown) -> threading.Thread:
-    """An auxiliary peer holds no state of its own, so once stopped it may abandon a blocked averaging round."""
+def leave_promptly_when_stopped(
+    stop: StopFlag, finished: threading.Event, leaving: threading.Event, shutdown
+) -> threading.Thread:
+    """An auxiliary peer holds no state of its own, so once stopped it may abandon a blocked averaging round.
+    ``leaving`` tells the main thread that the optimizer is being shut down under it: whatever its blocked step
+    then raises is expected, and this thread ends the process."""
 
     def watch() -> None:
         while not stop.wait(0.5):
@@ -43,6 +47,7 @@ def leave_promptly_when_stopped(stop: StopFlag, finished: threading.Event, shutd
         if finished.wait(LEAVE_WITHIN_SECONDS):
             return
         logger.info(f"still waiting for an averaging round {LEAVE_WITHIN_SECONDS:.0f} s after the stop: leaving now")
+        leaving.set()
         shutdown()
         logging.shutdown()
         os._exit(0)
@@ -61,14 +66,18 @@ def run_auxiliary(
     output_dir = Path(config.training.output_dir)
     dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer)
     optimizer = None
-    finished = threading.Event()
+    finished, leaving, shutting_down, shut_down = threading.Event(), threading.Event(), threading.Lock(), []
 
-    def shutdown() -> None:
-        if optimizer is not None:
-            optimizer.shutdown()
-        dht.shutdown()
+    def shutdown() -> None:  # once, from whichever thread gets here first (the other waits for it)
+        with shutting_down:
+            if shut_down:
+                return
+            shut_down.append(True)
+            if optimizer is not None:
+                optimizer.shutdown()
+            dht.shutdown()
 
-    leave_promptly_when_stopped(stop, finished, shutdown)
+    leave_promptly_when_stopped(stop, finished, leaving, shutdown)
     try:
         torch.manual_seed(config.training.seed)
         task = import_task_module(config.task_module).build_task(config, with_data=False)
@@ -94,6 +103,10 @@ def run_auxiliary(
             "wall_seconds": time.time() - started,
         }
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    except Exception:
+        if leaving.is_set():  # the step failed because the optimizer was shut down under it: the watcher exits 0
+            threading.Event().wait()
+        raise
     finally:
         finished.set()
         shutdown()
