@@ -177,8 +177,7 @@ class _RequestFromExitedProcess(logging.Filter):
         if record.funcName == "_run" and isinstance(error, (FileNotFoundError, ConnectionError)):
             frames = traceback.extract_tb(record.exc_info[2])
             if any(
-                frame.filename.endswith("multiprocessing/resource_sharer.py")
-                or frame.name == _detach_from_sender.__name__
+                frame.filename.endswith("multiprocessing/resource_sharer.py") or frame.name == DETACH_FROM_SENDER
                 for frame in frames
             ):
                 record.msg, record.args = "dropped a DHT request from a process that has already exited", ()
@@ -205,20 +204,21 @@ def quiet_requests_from_exited_processes() -> None:
     # not catch: its process would die with a traceback during shutdown. Reported as the connection error it is.
     from multiprocessing import resource_sharer
 
-    if getattr(resource_sharer, "DupFd", None) is not None and resource_sharer.DupFd.detach is not _detach_from_sender:
-        global _original_detach
-        _original_detach = resource_sharer.DupFd.detach
-        resource_sharer.DupFd.detach = _detach_from_sender
+    duplicated_fd = getattr(resource_sharer, "DupFd", None)
+    if duplicated_fd is None or duplicated_fd.detach.__name__ == DETACH_FROM_SENDER:
+        return
+    detach = duplicated_fd.detach
+
+    def detach_from_sender(self):
+        try:
+            return detach(self)
+        except EOFError as error:
+            raise ConnectionResetError("the process that sent this handle has exited") from error
+
+    duplicated_fd.detach = detach_from_sender
 
 
-_original_detach = None
-
-
-def _detach_from_sender(self):
-    try:
-        return _original_detach(self)
-    except EOFError as error:
-        raise ConnectionResetError("the process that sent this handle has exited") from error
+DETACH_FROM_SENDER = "detach_from_sender"  # the wrapper's name: the filter knows its frames by it
 
 
 GROUPLESS_ROUND = "Averaging step failed: could not find a group"

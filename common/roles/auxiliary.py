@@ -66,13 +66,18 @@ def run_auxiliary(
     output_dir = Path(config.training.output_dir)
     dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer)
     optimizer = None
-    finished, leaving, shutting_down, shut_down = threading.Event(), threading.Event(), threading.Lock(), []
+    finished, leaving, shut_down, shutting_down = (
+        threading.Event(),
+        threading.Event(),
+        threading.Event(),
+        threading.Lock(),
+    )
 
     def shutdown() -> None:  # once, from whichever thread gets here first (the other waits for it)
         with shutting_down:
-            if shut_down:
+            if shut_down.is_set():
                 return
-            shut_down.append(True)
+            shut_down.set()
             if optimizer is not None:
                 optimizer.shutdown()
             dht.shutdown()
