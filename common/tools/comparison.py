@@ -9,6 +9,7 @@ swarm of N trainers under each semantics. Each setup writes the common per-globa
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import socket
 import statistics
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 SEMANTICS = ("sync", "dpu", "local")
 BASELINE = "ddp"
 PROGRESS_SECONDS = 15.0  # how often a running setup's progress is logged
+RUN_RECORD = "run.json"  # written into a setup's run folder when it finished: what it ran and when
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,32 @@ def run_setup(
     if process.returncode != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-5:])
         raise PeerError(f"setup {setup.name} exited with code {process.returncode}: {tail}")
-    return SetupRun(setup, run_dir, launched, time.time(), process.returncode)
+    run = SetupRun(setup, run_dir, launched, time.time(), process.returncode)
+    record = {"recipe": recipe(command), "launched": run.launched, "finished": run.finished}
+    (run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1))
+    return run
+
+
+def recipe(command: Sequence[str]) -> List[str]:
+    """A launch command without what differs between two launches of the same run (torchrun's free port)."""
+    return [part for part in command if not part.startswith("--master_port=")]
+
+
+def finished_run(
+    setup: Setup, config_path: str, overrides: Sequence[str], run_dir: Path, workers: int
+) -> Optional[SetupRun]:
+    """The run already in ``run_dir`` if it finished with exactly the command this comparison would launch.
+
+    Lets a long comparison resume after an interruption, or run its setups at different times (e.g. the
+    baselines while the machine is busy with something else); any difference in the command reruns the setup.
+    """
+    record_path = run_dir / RUN_RECORD
+    if not record_path.is_file():
+        return None
+    record = json.loads(record_path.read_text())
+    if record.get("recipe") != recipe(launch_command(setup, config_path, overrides, run_dir, workers)):
+        return None
+    return SetupRun(setup, run_dir, record["launched"], record["finished"], 0)
 
 
 def log_progress(setup: Setup, history: List[dict], elapsed: float, max_steps: int) -> None:

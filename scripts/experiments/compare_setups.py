@@ -1,6 +1,6 @@
 """Collaborative training vs the HPC baseline on this machine, with the same config, seed and number of samples.
 
-    python scripts/experiments/compare_setups.py            # tiny ALBERT, 100 steps x 512, 2 workers: est. 70-90 min
+    python scripts/experiments/compare_setups.py            # tiny ALBERT, 250 steps x 256, 2 workers: ~60 min
     python scripts/experiments/compare_setups.py --reduced  # CI-sized: a few steps, ~3-4 min on a quiet 2-core box
     python scripts/experiments/compare_setups.py --workers 3 [key=value ...]
 
@@ -33,6 +33,7 @@ from common.tools.comparison import (
     curve_rows,
     evaluate,
     evaluation_batches,
+    finished_run,
     plot_curves,
     run_setup,
     summarize,
@@ -52,16 +53,12 @@ COMMON_OVERRIDES = [
     # 5 % of the documents are never trained on: every final model is scored on them (task.heldout_fraction)
     "task.heldout_fraction=0.05",
 ]
-# The full run: the recipe calibrated for the demo (LAMB 0.05, warmup 5, 512 samples per step) for 100 global steps
-# (51,200 samples per setup), the schedule ending just after them. Estimated 70-90 minutes for the five setups on
-# an idle 2-core machine from earlier single-process and swarm throughputs; the full run has not been timed yet.
+# The full run: the demo's recipe (configs/albert/tiny.yaml: LAMB 0.02, 10 warmup steps, 256 samples per step) for
+# 250 global steps (64,000 samples per setup), the schedule ending just after them: far enough past ALBERT's unigram
+# plateau (left at ~60 steps with this recipe) to compare models that use context.
 FULL_OVERRIDES = [
-    "task.learning_rate=0.05",
-    "task.warmup_steps=5",
-    "collaboration.target_batch_size=512",
-    "collaboration.agreement_tolerance=0.1",
-    "training.max_global_steps=100",
-    "task.total_steps=110",
+    "training.max_global_steps=250",
+    "task.total_steps=275",
 ]
 REDUCED_OVERRIDES = [
     "training.max_global_steps=4",
@@ -95,6 +92,11 @@ def parse_arguments():
         help="fixed evaluation micro-batches scored for every final model (default 8 reduced, 32 full)",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per setup")
+    parser.add_argument(
+        "--reuse-finished",
+        action="store_true",
+        help="a setup whose run folder holds a finished run of exactly this command is scored, not rerun",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every setup")
     return parser.parse_args()
 
@@ -154,11 +156,16 @@ def main() -> None:
     )
 
     started, load_before = datetime.now(timezone.utc), os.getloadavg()
-    finished_runs = []
+    finished_runs, reused = [], []
     for index, setup in enumerate(setups, start=1):
         logger.info(f"[{index}/{len(setups)}] {setup.name}: launching (load average {load_text(os.getloadavg())})")
         workers = trainers if setup.kind == "collaborative" else args.workers
-        run = run_setup(setup, args.config, overrides, runs / setup.name, workers, steps, args.timeout, stop)
+        run = finished_run(setup, args.config, overrides, runs / setup.name, workers) if args.reuse_finished else None
+        if run is not None:
+            logger.info(f"[{index}/{len(setups)}] {setup.name}: reusing the finished run in {run.run_dir}")
+            reused.append(setup.name)
+        else:
+            run = run_setup(setup, args.config, overrides, runs / setup.name, workers, steps, args.timeout, stop)
         logger.info(f"[{index}/{len(setups)}] {setup.name}: done in {run.finished - run.launched:.0f} s")
         finished_runs.append(run)
     load_after = os.getloadavg()
@@ -185,6 +192,12 @@ def main() -> None:
         for part in [Path(sys.executable).name, "scripts/experiments/compare_setups.py", *sys.argv[1:]]
     )
     table = summary_table(summaries)
+    reused_line = (
+        f"- Reused finished runs of this command (`--reuse-finished`; wall times and load from when they ran): "
+        f"{', '.join(reused)}.\n"
+        if reused
+        else ""
+    )
     (output / "results.md").write_text(
         f"# Collaborative vs HPC baseline: measured results\n\n"
         f"- Command: `{command}` (commit {git_commit()}), {started:%Y-%m-%d %H:%M} UTC, "
@@ -194,6 +207,7 @@ def main() -> None:
         f"- Config: `{args.config}` with overrides `{' '.join(overrides)}`; {steps} global steps x {target} samples "
         f"= {steps * target} samples per setup; {args.workers} DDP workers (gloo), {trainers} collaborative trainers "
         f"(+ 1 monitor, no auxiliary peer); seed {config.training.seed} everywhere.\n"
+        f"{reused_line}"
         f"- eval loss: each setup's final model (single: the process; ddp: worker 0; collaborative: trainer0) on the "
         f"same {eval_batches} micro-batches of {local_batch} from {evaluation_data}. "
         f"vs ddp: (eval loss - ddp eval loss) / ddp eval loss.\n"

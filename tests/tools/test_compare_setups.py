@@ -1,6 +1,7 @@
 """The collaborative-vs-HPC comparison: the paper-scale baseline config, and the experiment script end to end."""
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from common.config import Backend, load_config
+from common.tools.comparison import RUN_RECORD, all_setups, finished_run, launch_command, recipe
 from tests.helpers import PYTHON, ROOT, run_script
 
 PAPER_WORKERS = 8  # the paper's HPC baseline: 8 x V100 with all-reduce
@@ -52,6 +54,25 @@ def test_compare_setups_rejects_a_global_batch_the_workers_cannot_split(tmp_path
     assert "must be a multiple of" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "runs").exists()  # refused before any process started
+
+
+def test_a_finished_run_is_reused_only_for_the_same_recipe(tmp_path):
+    setups = {setup.name: setup for setup in all_setups()}
+    overrides = ["training.max_global_steps=4"]
+    for name in ("single", "ddp", "collab_sync"):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        command = launch_command(setups[name], "configs/albert/tiny.yaml", overrides, run_dir, 2)
+        record = {"recipe": recipe(command), "launched": 10.0, "finished": 70.0}
+        (run_dir / RUN_RECORD).write_text(json.dumps(record))
+        # torchrun's port differs from launch to launch; that is not a different run
+        run = finished_run(setups[name], "configs/albert/tiny.yaml", overrides, run_dir, 2)
+        assert run is not None and (run.launched, run.finished, run.exit_code) == (10.0, 70.0, 0)
+        changed = ["training.max_global_steps=5"]
+        assert finished_run(setups[name], "configs/albert/tiny.yaml", changed, run_dir, 2) is None
+        if name != "single":  # one more worker or trainer is another run
+            assert finished_run(setups[name], "configs/albert/tiny.yaml", overrides, run_dir, 3) is None
+    assert finished_run(setups["single"], "configs/albert/tiny.yaml", overrides, tmp_path / "never_ran", 2) is None
 
 
 def run_until_done(arguments: list, timeout: float) -> subprocess.CompletedProcess:
@@ -115,3 +136,13 @@ def test_reduced_comparison_runs_every_setup_and_writes_csv_png_and_results(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[1/5] single: launching" in result.stderr and "[5/5] collab_local: done in" in result.stderr
     check_comparison_outputs(output)
+    first_summary = (output / "summary.csv").read_text()
+
+    # The same command with --reuse-finished scores the finished runs again instead of relaunching any of them
+    rescored = tmp_path / "rescored"
+    result = run_until_done([*reduced_comparison(rescored, tmp_path / "runs"), "--reuse-finished"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count(": reusing the finished run in") == 5, result.stderr[-3000:]
+    assert "launching" not in result.stderr.replace("launching (load", "")
+    assert (rescored / "summary.csv").read_text() == first_summary
+    assert "Reused finished runs of this command" in (rescored / "results.md").read_text()
