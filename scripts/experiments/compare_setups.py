@@ -158,13 +158,13 @@ def main() -> None:
     started, load_before = datetime.now(timezone.utc), os.getloadavg()
     finished_runs, reused = [], []
     for index, setup in enumerate(setups, start=1):
-        logger.info(f"[{index}/{len(setups)}] {setup.name}: launching (load average {load_text(os.getloadavg())})")
         workers = trainers if setup.kind == "collaborative" else args.workers
         run = finished_run(setup, args.config, overrides, runs / setup.name, workers) if args.reuse_finished else None
         if run is not None:
             logger.info(f"[{index}/{len(setups)}] {setup.name}: reusing the finished run in {run.run_dir}")
             reused.append(setup.name)
         else:
+            logger.info(f"[{index}/{len(setups)}] {setup.name}: launching (load average {load_text(os.getloadavg())})")
             run = run_setup(setup, args.config, overrides, runs / setup.name, workers, steps, args.timeout, stop)
         logger.info(f"[{index}/{len(setups)}] {setup.name}: done in {run.finished - run.launched:.0f} s")
         finished_runs.append(run)
