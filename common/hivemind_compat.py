@@ -257,6 +257,10 @@ def log_groupless_rounds_as_warnings() -> None:
 
 STATE_RETRY_MAX_SECONDS = 16.0  # longest wait between two attempts to download the swarm's state
 STOP_POLL_SECONDS = 0.25  # how often a wait between attempts checks whether the peer was asked to stop
+# hivemind keeps a peer's progress record this long after its last report (ProgressTracker's metadata_expiration).
+# When downloads have served nothing as new as the swarm's step for this long, the records still claiming that step
+# belong to peers that do not hold its state: auxiliary peers follow the global step but share no state.
+HOLDERS_GONE_AFTER_SECONDS = 60.0
 
 
 def bound_state_downloads(
@@ -272,8 +276,12 @@ def bound_state_downloads(
     retries with backoff (1, 2, 4 ... s, at most ``STATE_RETRY_MAX_SECONDS``) logging one WARNING line per failed
     attempt, and raises ``PeerError`` once ``deadline`` seconds have passed. Besides an exception, an attempt
     failed when nothing newer was loaded although the swarm is more than one step ahead: hivemind would return,
-    and ``step`` would call it again at the next micro-batch. A stop request ends the waiting early (the caller's
-    loop then sees the stop). Installed as an instance attribute, so ``Optimizer.step`` calls it too.
+    and ``step`` would call it again at the next micro-batch. When such attempts go on for
+    ``HOLDERS_GONE_AFTER_SECONDS`` (every peer holding the swarm's state crashed, and an auxiliary peer keeps
+    announcing its step), the peer takes the swarm's step with the newest state served -- the monitor's last
+    checkpoint when there is one -- so the run goes on instead of waiting for a state nobody has. A stop request
+    ends the waiting early (the caller's loop then sees the stop). Installed as an instance attribute, so
+    ``Optimizer.step`` calls it too.
     """
 
     def load_state_from_peers(**kwargs) -> None:
@@ -312,7 +320,7 @@ def _download_state(
     """Attempts until one succeeds; each gets at most ``load_state_timeout`` and never runs past ``deadline``."""
     started = time.monotonic()
     give_up_at = started + deadline
-    attempt = 0
+    attempt, behind_since = 0, None
     while True:
         attempt += 1
         epoch_before = optimizer.local_epoch
@@ -329,6 +337,15 @@ def _download_state(
         else:
             swarm_epoch = optimizer.tracker.global_epoch
             if optimizer.local_epoch > epoch_before or optimizer.local_epoch >= swarm_epoch - 1:
+                return
+            behind_since = time.monotonic() if behind_since is None else behind_since
+            if time.monotonic() - behind_since >= HOLDERS_GONE_AFTER_SECONDS:
+                logger.warning(
+                    f"no peer has served the swarm's state of global step {swarm_epoch} for "
+                    f"{HOLDERS_GONE_AFTER_SECONDS:.0f} s: the peers that held it left; continuing at global step "
+                    f"{swarm_epoch} from the newest state served (global step {optimizer.local_epoch})"
+                )
+                optimizer.state_averager.local_epoch = swarm_epoch
                 return
             failure = (
                 f"no peer served a state newer than global step {optimizer.local_epoch} "

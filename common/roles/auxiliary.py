@@ -13,8 +13,9 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
+import psutil
 import torch
 from hivemind.utils.auth import AuthorizerBase
 
@@ -34,11 +35,13 @@ LEAVE_WITHIN_SECONDS = 5.0
 
 
 def leave_promptly_when_stopped(
-    stop: StopFlag, finished: threading.Event, leaving: threading.Event, shutdown
+    stop: StopFlag, finished: threading.Event, leaving: threading.Event, leave_now: Callable[[], None]
 ) -> threading.Thread:
-    """An auxiliary peer holds no state of its own, so once stopped it may abandon a blocked averaging round.
-    ``leaving`` tells the main thread that the optimizer is being shut down under it: whatever its blocked step
-    then raises is expected, and this thread ends the process."""
+    """An auxiliary peer holds no state of its own, so once stopped it may abandon a blocked averaging round, in its
+    training loop or in ``Optimizer.shutdown`` (which waits up to ``averaging_timeout`` for a scheduled round, all
+    the time such a round takes when no trainer is left to join it). ``finished`` is set once the peer has shut down
+    in order; ``leaving`` tells the main thread that the averagers are being stopped under it: whatever its blocked
+    call then raises is expected, and this thread ends the process."""
 
     def watch() -> None:
         while not stop.wait(0.5):
@@ -48,7 +51,7 @@ def leave_promptly_when_stopped(
             return
         logger.info(f"still waiting for an averaging round {LEAVE_WITHIN_SECONDS:.0f} s after the stop: leaving now")
         leaving.set()
-        shutdown()
+        leave_now()
         logging.shutdown()
         os._exit(0)
 
@@ -66,23 +69,20 @@ def run_auxiliary(
     output_dir = Path(config.training.output_dir)
     dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer)
     optimizer = None
-    finished, leaving, shut_down, shutting_down = (
-        threading.Event(),
-        threading.Event(),
-        threading.Event(),
-        threading.Lock(),
-    )
+    finished, leaving = threading.Event(), threading.Event()
 
-    def shutdown() -> None:  # once, from whichever thread gets here first (the other waits for it)
-        with shutting_down:
-            if shut_down.is_set():
-                return
-            shut_down.set()
-            if optimizer is not None:
-                optimizer.shutdown()
-            dht.shutdown()
+    def leave_now() -> None:
+        """End this peer's averager and DHT processes and p2pd without waiting for a round. Not through their
+        ``shutdown``: an averager shut down while it looks for a group fails inside hivemind with a traceback."""
+        children = psutil.Process().children(recursive=True)
+        for child in children:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(children, timeout=5.0)
 
-    leave_promptly_when_stopped(stop, finished, leaving, shutdown)
+    leave_promptly_when_stopped(stop, finished, leaving, leave_now)
     try:
         torch.manual_seed(config.training.seed)
         task = import_task_module(config.task_module).build_task(config, with_data=False)
@@ -108,10 +108,13 @@ def run_auxiliary(
             "wall_seconds": time.time() - started,
         }
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    except Exception:
-        if leaving.is_set():  # the step failed because the optimizer was shut down under it: the watcher exits 0
-            threading.Event().wait()
-        raise
     finally:
-        finished.set()
-        shutdown()
+        stop.set()  # from here on the peer is leaving, for whatever reason: the watcher bounds how long that takes
+        try:
+            if optimizer is not None:
+                optimizer.shutdown()
+            dht.shutdown()
+        finally:
+            finished.set()
+            if leaving.is_set():  # whatever failed, failed because the watcher stopped the averagers: it exits 0
+                threading.Event().wait()

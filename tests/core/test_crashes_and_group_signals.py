@@ -1,4 +1,4 @@
-"""Near-simultaneous crashes of half the trainers, and SIGTERM to a monitor's whole process group."""
+"""Near-simultaneous crashes of trainers (half of them, or all), and SIGTERM to a monitor's whole process group."""
 
 from __future__ import annotations
 
@@ -92,6 +92,74 @@ def test_survivors_step_within_the_averaging_bound_after_two_of_four_trainers_cr
         logged = [record["step"] for record in read_jsonl(tmp_path / name / "steps.jsonl")]
         assert logged == sorted(set(logged)), f"{name}'s global step went backwards or repeated: {logged}"
         assert json.loads((tmp_path / name / "summary.json").read_text())["global_steps"] == 12
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_newcomers_go_on_from_the_last_checkpoint_when_every_trainer_crashed(tmp_path, tiny_overrides):
+    """SIGKILL every trainer at once; the auxiliary peer, which follows the global step but shares no state, keeps
+    announcing the swarm's step, so no peer can serve a state of that step. Newcomers that join seconds later must
+    not wait for it forever: after HOLDERS_GONE_AFTER_SECONDS of downloads that served nothing that new, they go on
+    at the swarm's step from the newest state served, the monitor's last checkpoint. Their first step must end within
+    that wait + averaging_timeout + matchmaking_time + a margin for start-up and one batch (60 s); the auxiliary
+    peer and the monitor then stop on SIGTERM within seconds and log no error."""
+    from common.hivemind_compat import HOLDERS_GONE_AFTER_SECONDS
+
+    overrides = [
+        *tiny_overrides,
+        "collaboration.target_batch_size=256",
+        "collaboration.expected_peers=2",
+        "monitor.checkpoint_every_steps=4",
+    ]
+    crashed, newcomers = ["t0", "t1"], ["n0", "n1"]
+    checkpoints = tmp_path / "monitor" / "checkpoints"
+    with LocalSwarm(TINY, tmp_path, overrides) as swarm:
+        swarm.start_first_peer("monitor", "monitor")
+        swarm.start("auxiliary", "aux0")
+        for name in crashed:
+            swarm.start("trainer", name, ["training.max_global_steps=40"])
+        wait_until(lambda: any(checkpoints.glob("step_*.pt")), 400, "a checkpoint of the monitor")
+        checkpointed = int(next(checkpoints.glob("step_*.pt")).name[5:12])
+
+        def reached() -> int:
+            return max(max(step_times(tmp_path / name), default=-1) for name in crashed)
+
+        # the swarm two steps past the checkpoint (so the checkpoint alone does not let a newcomer catch up), the
+        # monitor's next checkpoint still two steps away
+        wait_until(lambda: reached() >= checkpointed + 1, 300, f"global step {checkpointed + 1}")
+        for name in crashed:
+            os.killpg(swarm.peers[name].process.pid, signal.SIGKILL)
+        swarm.stop_many(crashed, graceful=False)
+        reached = reached()
+        assert [path.name for path in checkpoints.glob("step_*.pt")] == [f"step_{checkpointed:07d}.pt"]
+        time.sleep(5.0)
+        joined = time.time()
+        for name in newcomers:
+            swarm.start("trainer", name, [f"training.max_global_steps={reached + 4}"])
+        assert swarm.wait(newcomers, timeout=400), "the newcomers did not finish"
+        exit_codes = {name: swarm.peers[name].process.returncode for name in newcomers}
+        stopping = time.monotonic()
+        swarm.stop_many(["aux0", "monitor"], grace_seconds=30.0)
+        stop_seconds = time.monotonic() - stopping
+        exit_codes.update({name: swarm.peers[name].process.returncode for name in ("aux0", "monitor")})
+    assert exit_codes == dict.fromkeys([*newcomers, "aux0", "monitor"], 0), exit_codes
+    assert_no_processes_left(tmp_path)
+    assert stop_seconds < 15.0, f"the auxiliary peer and the monitor took {stop_seconds:.1f} s to stop"
+
+    logs = {name: (tmp_path / name / "peer.log").read_text(errors="replace") for name in [*newcomers, "aux0"]}
+    assert any("the peers that held it left" in logs[name] for name in newcomers), logs["n0"][-3000:]
+    for name in newcomers:
+        assert f"loaded the swarm's state: continuing from global step {checkpointed}" in logs[name] or (
+            "the peers that held it left" not in logs[name]  # it took the state of a newcomer that went on first
+        ), f"{name} did not start from the checkpoint of step {checkpointed}"
+        first_step, first_end = min(step_times(tmp_path / name).items())
+        assert first_step > reached, f"{name}'s first step {first_step} is behind the swarm's step {reached}"
+        bound = HOLDERS_GONE_AFTER_SECONDS + AVERAGING_TIMEOUT + MATCHMAKING_TIME + 60.0
+        waited = first_end - joined
+        assert waited <= bound, f"{name}'s first step ended {waited:.0f} s after it joined (bound {bound:.0f} s)"
+        print(f"{name}: first step {first_step} ended {waited:.1f} s after joining (swarm had reached {reached})")
+    noise = [line for line in logs["aux0"].splitlines() if any(marker in line for marker in ERROR_MARKERS)]
+    assert not noise, "\n".join(noise)
 
 
 def process_group_members(pgid: int) -> list:
