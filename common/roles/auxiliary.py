@@ -52,7 +52,6 @@ def leave_promptly_when_stopped(
         logger.info(f"still waiting for an averaging round {LEAVE_WITHIN_SECONDS:.0f} s after the stop: leaving now")
         leaving.set()
         leave_now()
-        logging.shutdown()
         os._exit(0)
 
     watcher = threading.Thread(target=watch, name="leave-when-stopped", daemon=True)
@@ -74,13 +73,12 @@ def run_auxiliary(
     def leave_now() -> None:
         """End this peer's averager and DHT processes and p2pd without waiting for a round. Not through their
         ``shutdown``: an averager shut down while it looks for a group fails inside hivemind with a traceback."""
-        children = psutil.Process().children(recursive=True)
-        for child in children:
+        logging.shutdown()  # the process ends right after: a thread of it may fail on a pipe to a killed child
+        for child in psutil.Process().children(recursive=True):
             try:
                 child.kill()
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(children, timeout=5.0)
 
     leave_promptly_when_stopped(stop, finished, leaving, leave_now)
     try:

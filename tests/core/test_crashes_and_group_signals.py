@@ -109,7 +109,7 @@ def test_newcomers_go_on_from_the_last_checkpoint_when_every_trainer_crashed(tmp
         *tiny_overrides,
         "collaboration.target_batch_size=256",
         "collaboration.expected_peers=2",
-        "monitor.checkpoint_every_steps=4",
+        "monitor.checkpoint_every_steps=5",
     ]
     crashed, newcomers = ["t0", "t1"], ["n0", "n1"]
     checkpoints = tmp_path / "monitor" / "checkpoints"
@@ -124,9 +124,9 @@ def test_newcomers_go_on_from_the_last_checkpoint_when_every_trainer_crashed(tmp
         def reached() -> int:
             return max(max(step_times(tmp_path / name), default=-1) for name in crashed)
 
-        # the swarm two steps past the checkpoint (so the checkpoint alone does not let a newcomer catch up), the
-        # monitor's next checkpoint still two steps away
-        wait_until(lambda: reached() >= checkpointed + 1, 300, f"global step {checkpointed + 1}")
+        # the swarm at least two steps past the checkpoint, so that the checkpoint alone does not let a newcomer
+        # catch up (hivemind lets a peer one step behind take the swarm's step); the next checkpoint two steps away
+        wait_until(lambda: reached() >= checkpointed + 2, 300, f"global step {checkpointed + 2}")
         for name in crashed:
             os.killpg(swarm.peers[name].process.pid, signal.SIGKILL)
         swarm.stop_many(crashed, graceful=False)
@@ -153,7 +153,8 @@ def test_newcomers_go_on_from_the_last_checkpoint_when_every_trainer_crashed(tmp
             "the peers that held it left" not in logs[name]  # it took the state of a newcomer that went on first
         ), f"{name} did not start from the checkpoint of step {checkpointed}"
         first_step, first_end = min(step_times(tmp_path / name).items())
-        assert first_step > reached, f"{name}'s first step {first_step} is behind the swarm's step {reached}"
+        # a step that only a crashed peer saw end is not the swarm's (its end was never announced): it may be redone
+        assert first_step >= reached, f"{name}'s first step {first_step} is behind the swarm's step {reached}"
         bound = HOLDERS_GONE_AFTER_SECONDS + AVERAGING_TIMEOUT + MATCHMAKING_TIME + 60.0
         waited = first_end - joined
         assert waited <= bound, f"{name}'s first step ended {waited:.0f} s after it joined (bound {bound:.0f} s)"
