@@ -21,6 +21,7 @@ from common.hivemind_compat import (
     bound_state_downloads,
     client_mode_argument,
     grad_buffers_for_scaler,
+    keep_inbound_stream_handlers_alive,
     read_8bit_tensors_with_numpy_2,
     silence_schedule_fast_forward_warning,
     skip_nonfinite_steps,
@@ -79,6 +80,7 @@ def make_collaborative_optimizer(
     averager_opts = {"bandwidth": collab.bandwidth} if collab.bandwidth is not None else {}
     silence_schedule_fast_forward_warning()
     stream_results_to_zero_share_full_peers()  # before the averagers' processes are forked
+    keep_inbound_stream_handlers_alive()
     read_8bit_tensors_with_numpy_2()
     optimizer = hivemind.Optimizer(
         dht=dht,
