@@ -30,7 +30,7 @@ diagnostics in common/tools/allreduce.py log its internals, in the benchmark's o
 15. :func:`log_ended_averagers_as_warnings` -- shutting down an averager whose process already ended (a SIGTERM
     to the peer's whole process group ends it too) is logged as an ERROR with an empty traceback.
 16. :func:`keep_inbound_stream_handlers_alive` -- the garbage collector can destroy the task serving a peer's
-    inbound stream mid-transfer, so all-reduce parts are lost and rounds end as partial averages.
+    inbound stream mid-transfer, losing what the stream carried.
 """
 
 from __future__ import annotations
@@ -540,10 +540,10 @@ def keep_inbound_stream_handlers_alive() -> None:
     keeps only weak references to tasks, and while the handler waits with the socket's reading paused (flow
     control), nothing outside a reference cycle holds the task, its stream or the future it waits on. A garbage
     collection then destroys the task mid-transfer ("Task was destroyed but it is pending!", then "Unhandled
-    exception in client_connected_cb ... cannot reuse already awaited coroutine"); the sending peer is excluded
-    and the all-reduce ends partial ("Reducer: received 33.3% of input tensors"): each peer keeps its own values
-    for the parts it did not get, so peers apply different gradients. The more streams overlap, the more often it
-    happens: under ``dpu`` (averaging beside computation) 40-60 % of rounds were partial on 3 local trainers.
+    exception in client_connected_cb ... cannot reuse already awaited coroutine"), and whatever the stream carried
+    (an all-reduce part, a state download) is lost to the peer at the other end, which sees its stream reset.
+    Measured on 3 local trainers under ``dpu`` (averaging beside computation, so streams overlap): 17-23 destroyed
+    handlers per trainer in 250 steps; none in 130 steps with this patch.
     Patched on the class before the DHT and averager processes are forked (they inherit it); calling it again
     does nothing.
     """
