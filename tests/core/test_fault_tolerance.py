@@ -238,6 +238,8 @@ def test_peers_and_their_p2pd_exit_when_the_launcher_is_sigkilled(tmp_path, tiny
     peer_groups: list = []
     try:
         wait_for_log(tmp_path / "trainer0" / "peer.log", "start barrier passed", 1, timeout=180)
+        # The launcher starts the auxiliary and the trainer together; the trainer may pass its barrier first.
+        wait_for_log(tmp_path / "aux0" / "peer.log", "peer id", 1, timeout=120)
         groups = process_groups()
         children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
         peer_groups = [int(pid) for pid in children if int(pid) in groups]  # each peer leads its own group
