@@ -14,7 +14,7 @@ from albert.corpus import OFFLINE_WIKIPEDIA, load_documents
 from albert.data import SopDataset, build_examples, cache_key, load_or_build_examples, special_ids
 from albert.export import export_albert
 from albert.sahajbert.data import BENGALI_STREAM, StreamConfig, bengali_tokenizer_folder, build_streaming_dataset
-from albert.tokenizer import load_or_train_tokenizer
+from albert.tokenizer import TOKENIZER_FORMAT_VERSION, load_or_train_tokenizer
 from common.config import RunConfig, require
 from common.errors import DataError
 from common.hivemind_compat import prefill_optimizer_state
@@ -119,6 +119,11 @@ class AlbertTask(DatasetTask):
         self.tokenizer = tokenizer
         self.model = build_model(config, vocab_size)
 
+    def input_fingerprint(self) -> str:
+        if self.tokenizer is None:  # a peer without data (monitor, auxiliary) feeds the model nothing
+            return ""
+        return cache_key(*self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer)))))
+
     def export_pretrained(self, model: torch.nn.Module, folder: Path, facts: ExportFacts) -> Path:
         tokenizer = self.tokenizer if self.tokenizer is not None else cached_tokenizer(self.config)
         return export_albert(model, tokenizer, folder, facts, describe_data(self.config))
@@ -197,8 +202,15 @@ class AlbertTask(DatasetTask):
 
 
 def _tokenizer_key(config: TaskConfig) -> str:
-    held_out = [config.heldout_fraction] if config.heldout_fraction else []  # keeps older caches' names valid
-    return cache_key(config.corpus, config.dataset_config, config.max_documents, config.vocab_size, *held_out)
+    held_out = [config.heldout_fraction] if config.heldout_fraction else []
+    return cache_key(
+        TOKENIZER_FORMAT_VERSION,
+        config.corpus,
+        config.dataset_config,
+        config.max_documents,
+        config.vocab_size,
+        *held_out,
+    )
 
 
 def tokenizer_folder(config: TaskConfig) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from common.errors import DataError
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]
+# part of every trained tokenizer's cache key: bump when training gives different ids, so caches are rebuilt
+TOKENIZER_FORMAT_VERSION = 2
 
 
 def train_unigram_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -41,6 +44,7 @@ def train_unigram(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, unk_token="<unk>", show_progress=sys.stderr.isatty()
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.model = pieces_in_stable_order(tokenizer)
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS]:0 $A:0 [SEP]:0",
@@ -56,6 +60,21 @@ def train_unigram(
         mask_token="[MASK]",
         model_input_names=list(model_input_names),
     )
+
+
+def pieces_in_stable_order(tokenizer: Tokenizer) -> models.Unigram:
+    """The trained Unigram model with its pieces renumbered: special tokens first, then the rest by code point.
+
+    The Rust trainer counts in hash maps whose seeds change from process to process, so two trainings on the same
+    texts give the same pieces with slightly different scores (in the last bits; by up to 2e-3 for the rare
+    characters it appends at the end). Numbered by score, as trained, about 6 % of the ids then differ between two
+    machines, and a volunteer who trains the tokenizer on its own machine would feed the swarm's embeddings other
+    tokens. Numbered by the piece itself, the ids depend only on which pieces were kept."""
+    model = json.loads(tokenizer.to_str())["model"]
+    scores = dict(model["vocab"])
+    specials = [(piece, scores.pop(piece)) for piece in SPECIAL_TOKENS]
+    vocab = specials + sorted(scores.items())
+    return models.Unigram(vocab, unk_id=SPECIAL_TOKENS.index("<unk>"), byte_fallback=model.get("byte_fallback", False))
 
 
 def load_or_train_tokenizer(

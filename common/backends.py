@@ -209,14 +209,14 @@ class CollaborativeBackend(TrainingBackend):
         peer_name: str,
         role: str,
         metrics_expiration: float,
-        model_fingerprint: str,
+        fingerprints: RunFingerprints,
         grad_scaler: Optional[hivemind.GradScaler] = None,
     ):
         """``grad_scaler``: fp16 only; the optimizer must then reuse the model's gradient buffers
         (``hivemind_compat.grad_buffers_for_scaler``)."""
         self.dht, self.optimizer, self.collab = dht, optimizer, collab
         self.grad_scaler = grad_scaler
-        self.model_fingerprint = model_fingerprint
+        self.fingerprints = fingerprints
         self.peer_name, self.role, self.metrics_expiration = peer_name, role, metrics_expiration
         self.public_key = RSASignatureValidator().local_public_key  # the process-wide key signs our records
         self.state_reloads = 0
@@ -276,7 +276,8 @@ class CollaborativeBackend(TrainingBackend):
             peer_name=self.peer_name,
             role=self.role,
             recent=records[-RECENT_STEPS_KEPT:],
-            model_fingerprint=self.model_fingerprint,
+            model_fingerprint=self.fingerprints.model,
+            input_fingerprint=self.fingerprints.inputs,
         )
         self.last_publish = self.dht.store(
             key=metrics_key(self.collab.run_id),
@@ -352,14 +353,23 @@ class CollaborativeBackend(TrainingBackend):
         self.dht.shutdown()
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Names, shapes and dtypes of the trained parameters: what hivemind silently assumes peers share."""
-    layout = [(name, tuple(param.shape), str(param.dtype)) for name, param in model.named_parameters()]
-    return hashlib.blake2b(repr(layout).encode(), digest_size=8).hexdigest()
+@dataclass(frozen=True)
+class RunFingerprints:
+    """What hivemind silently assumes every trainer of a run shares: the model's parameter layout (names, shapes,
+    dtypes) and the meaning of its inputs (``Task.input_fingerprint``)."""
+
+    model: str
+    inputs: str = ""
+
+    @classmethod
+    def of(cls, task: Task) -> "RunFingerprints":
+        layout = [(name, tuple(param.shape), str(param.dtype)) for name, param in task.model.named_parameters()]
+        return cls(hashlib.blake2b(repr(layout).encode(), digest_size=8).hexdigest(), task.input_fingerprint())
 
 
-def require_same_model(dht: hivemind.DHT, run_id: str, fingerprint: str) -> None:
-    """Refuse to join a run whose trainers train a differently shaped model (never average mismatched state)."""
+def require_same_model(dht: hivemind.DHT, run_id: str, fingerprints: RunFingerprints) -> None:
+    """Refuse to join a run whose trainers train a differently shaped model or feed it other inputs (never average
+    mismatched state)."""
     entry = dht.get(metrics_key(run_id), latest=True)
     if entry is None or not isinstance(entry.value, dict):
         return
@@ -368,11 +378,17 @@ def require_same_model(dht: hivemind.DHT, run_id: str, fingerprint: str) -> None
             peer = PeerMetrics.parse_obj(record.value)
         except Exception:  # malformed records are refused by validators; skip anything odd
             continue
-        if peer.model_fingerprint and peer.model_fingerprint != fingerprint:
+        if peer.model_fingerprint and peer.model_fingerprint != fingerprints.model:
             raise PeerError(
                 f"run {run_id!r} trains a different model (peer {peer.peer_name} has model fingerprint "
-                f"{peer.model_fingerprint}, this peer {fingerprint}): use the run's task settings "
+                f"{peer.model_fingerprint}, this peer {fingerprints.model}): use the run's task settings "
                 f"or another collaboration.run_id"
+            )
+        if peer.input_fingerprint and fingerprints.inputs and peer.input_fingerprint != fingerprints.inputs:
+            raise PeerError(
+                f"run {run_id!r} numbers its tokens differently (peer {peer.peer_name} has tokenizer fingerprint "
+                f"{peer.input_fingerprint}, this peer {fingerprints.inputs}): use the run's tokenizer "
+                f"(a copy of its folder, passed as task.tokenizer=FOLDER)"
             )
 
 

@@ -96,6 +96,11 @@ class Task(abc.ABC):
     def on_global_step(self, model: nn.Module, global_step: int) -> None:
         """Hook after each completed global step (e.g. SwAV normalises prototypes)."""
 
+    def input_fingerprint(self) -> str:
+        """A short digest of what the model's inputs mean (a tokenizer's pieces in id order): trainers of one run
+        must agree on it, as on the model's shape. "" (the default): nothing to compare, e.g. pixels."""
+        return ""
+
     def export_pretrained(self, model: nn.Module, folder: Path, facts: ExportFacts) -> Optional[Path]:
         """Write ``model`` to ``folder`` in its ecosystem's format (weights, config, preprocessing files and a
         model card built from ``facts``); return the folder, or None when the task has no such format."""

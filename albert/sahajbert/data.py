@@ -18,6 +18,7 @@ import torch
 
 from albert.data import SpecialIds, cache_key, create_sop_instances, mask_tokens, special_ids
 from albert.sahajbert.tokenizer import load_or_train_bengali_tokenizer
+from albert.tokenizer import TOKENIZER_FORMAT_VERSION
 from common.errors import DataError
 from common.seeding import stable_seed
 from common.task import SAMPLE_IDS, Batch
@@ -180,6 +181,7 @@ def bengali_tokenizer_folder(task_config) -> Path:
     """Where the tokenizer trained on the stream's sources is cached (its name hashes what it was trained on)."""
     stream_config: StreamConfig = task_config.stream
     tokenizer_key = cache_key(
+        TOKENIZER_FORMAT_VERSION,
         BENGALI_STREAM,
         stream_config.sources,
         stream_config.source_configs,

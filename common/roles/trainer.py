@@ -16,9 +16,9 @@ from common import startup
 from common.auth import averaging_run_id
 from common.backends import (
     CollaborativeBackend,
+    RunFingerprints,
     SingleProcessBackend,
     TrainingBackend,
-    model_fingerprint,
     require_same_model,
 )
 from common.checkpoints import CHECKPOINT_DIR, resume_from_checkpoint
@@ -57,9 +57,9 @@ def build_backend(
 
         return DDPBackend(task, config, precision)
     dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer)
-    fingerprint = model_fingerprint(task.model)
+    fingerprints = RunFingerprints.of(task)
     try:
-        require_same_model(dht, config.collaboration.run_id, fingerprint)
+        require_same_model(dht, config.collaboration.run_id, fingerprints)
         collab = dataclasses.replace(
             config.collaboration,
             bandwidth=link_bandwidth(dht, config),
@@ -84,7 +84,7 @@ def build_backend(
         peer_name,
         "trainer",
         config.monitor.metrics_expiration,
-        fingerprint,
+        fingerprints,
         grad_scaler=hivemind.GradScaler(device_for(config).type) if needs_loss_scaling(precision) else None,
     )
     try:

@@ -2,14 +2,19 @@
 
 import random
 
+import hivemind
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 
 from albert.corpus import load_documents, wikitext_documents
 from albert.data import SpecialIds, create_sop_instances, mask_tokens
-from albert.task import build_task
+from albert.task import AlbertTask, build_task
+from albert.tokenizer import SPECIAL_TOKENS, train_unigram_tokenizer
+from common.backends import RunFingerprints, require_same_model
 from common.config import load_config
-from common.errors import DataError
+from common.errors import DataError, PeerError
+from common.metrics import PeerMetrics, metrics_key
 from tests.helpers import ROOT
 
 
@@ -79,3 +84,40 @@ def test_wikitext_lines_become_articles():
 def test_unreachable_hub_dataset_is_a_clear_error():
     with pytest.raises(DataError, match="hub is unreachable"):
         load_documents("wikitext", "wikitext-103-raw-v1", None)
+
+
+def test_tokenizers_trained_apart_give_every_piece_the_same_id():
+    # a volunteer trains the run's tokenizer on its own machine; the Rust trainer's hash maps are seeded anew each
+    # time, which reorders pieces of (nearly) equal score
+    documents = load_documents("offline_wikipedia", None, 300)
+    first, second = (train_unigram_tokenizer(documents, 1000) for _ in range(2))
+    ids = list(range(len(first)))
+    assert len(first) == len(second) == 1000
+    assert first.convert_ids_to_tokens(ids) == second.convert_ids_to_tokens(ids)
+    assert first.convert_ids_to_tokens(ids)[: len(SPECIAL_TOKENS)] == SPECIAL_TOKENS
+    assert first(documents[:50])["input_ids"] == second(documents[:50])["input_ids"]
+
+
+def test_a_trainer_with_another_tokenizer_is_refused_in_one_line():
+    config = load_config(str(ROOT / "configs/albert/tiny.yaml")).task
+    documents = load_documents("offline_wikipedia", None, 300)
+    run_tokenizer, other_tokenizer = (train_unigram_tokenizer(part, 1000) for part in (documents, documents[100:]))
+    run_task, other_task = (
+        AlbertTask(config, 16, None, 1000, tokenizer) for tokenizer in (run_tokenizer, other_tokenizer)
+    )
+    run, other = RunFingerprints.of(run_task), RunFingerprints.of(other_task)
+    assert run.model == other.model and run.inputs != other.inputs
+    assert RunFingerprints.of(AlbertTask(config, 16, None, 1000)).inputs == ""  # a peer without data
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        record = PeerMetrics(
+            peer_name="trainer0", role="trainer", recent=[], model_fingerprint=run.model, input_fingerprint=run.inputs
+        )
+        dht.store(metrics_key("run"), record.dict(), get_dht_time() + 60, subkey=b"trainer0")
+        require_same_model(dht, "run", run)
+        with pytest.raises(PeerError, match=r"numbers its tokens differently .* task\.tokenizer=FOLDER"):
+            require_same_model(dht, "run", other)
+        with pytest.raises(PeerError, match="trains a different model"):
+            require_same_model(dht, "run", RunFingerprints("another layout", run.inputs))
+    finally:
+        dht.shutdown()
