@@ -75,6 +75,10 @@ def _wait_for_file(path: Path, process: subprocess.Popen, log: Path, timeout: fl
 
 @needs_network_namespaces
 @pytest.mark.slow
+def _vocabulary(tokenizer_file: Path) -> list:
+    return json.loads(tokenizer_file.read_text())["model"]["vocab"]
+
+
 @pytest.mark.timeout(540)
 @pytest.mark.parametrize("second_volunteer", ["reachable", "firewalled"])
 def test_volunteers_pasting_the_printed_command_on_other_hosts_are_two_contributors(tmp_path, second_volunteer):
@@ -106,6 +110,8 @@ def test_volunteers_pasting_the_printed_command_on_other_hosts_are_two_contribut
                 extra.append("training.log_every_seconds=2")
                 if not hosts[index].accepts_inbound:
                     extra.append("network.client_mode=true")
+                if name == "volunteer2":  # a fresh machine: trains the tokenizer and builds the examples itself
+                    extra.append(f"task.cache_dir={tmp_path / name / 'cache'}")
                 volunteers[name] = _start(
                     network.command_prefix(index), f"{printed} {shlex.join(extra)}", tmp_path / f"{name}.log"
                 )
@@ -149,6 +155,11 @@ def test_volunteers_pasting_the_printed_command_on_other_hosts_are_two_contribut
     }
     first, second = (set(found) for found in batches.values())
     assert all(batches.values()) and not first & second, f"{len(first & second)} micro-batches shared"
+
+    # volunteer2 trained its own tokenizer; it numbers every piece as the one volunteer1 took from the shared cache
+    (own,) = (tmp_path / "volunteer2/cache").glob("tokenizer-*/tokenizer.json")
+    shared = ROOT / ".cache/albert" / own.parent.name / "tokenizer.json"
+    assert [entry[0] for entry in _vocabulary(own)] == [entry[0] for entry in _vocabulary(shared)]
 
     # what each volunteer sees and keeps
     for name, log in logs.items():
