@@ -103,6 +103,10 @@ class CollaborationConfig:
     bandwidth_probe_seconds: float = 2.0
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
+    # how long an all-reduce waits for a groupmate's next chunk before dropping that peer's part (hivemind's
+    # next_chunk_timeout; its results get twice as long); None: matchmaking_time. A groupmate that starts its
+    # share late, e.g. on a busy CPU, needs more; a crashed one is then dropped that much later
+    next_chunk_timeout: Optional[float] = None
     average_state_every: int = 1
     load_state_timeout: float = 60.0  # seconds one attempt to download the swarm's state may take
     # a peer that cannot download the swarm's state (joining, or after falling behind) retries with backoff and
@@ -126,6 +130,10 @@ class CollaborationConfig:
         require(
             self.averaging_timeout > self.matchmaking_time,
             "collaboration.averaging_timeout must exceed collaboration.matchmaking_time",
+        )
+        require(
+            self.next_chunk_timeout is None or 0 < self.next_chunk_timeout < self.averaging_timeout,
+            "collaboration.next_chunk_timeout must be > 0 and below collaboration.averaging_timeout",
         )
         require(self.average_state_every >= 1, "collaboration.average_state_every must be >= 1")
         require(self.load_state_timeout > 0, "collaboration.load_state_timeout must be > 0")

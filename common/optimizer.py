@@ -92,6 +92,7 @@ def make_collaborative_optimizer(
         scheduler=task.make_scheduler,
         matchmaking_time=collab.matchmaking_time,
         averaging_timeout=collab.averaging_timeout,
+        next_chunk_timeout=collab.next_chunk_timeout,
         load_state_timeout=collab.load_state_timeout,
         average_state_every=collab.average_state_every,
         use_local_updates=flags.use_local_updates,

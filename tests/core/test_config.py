@@ -50,6 +50,7 @@ def test_overrides_apply():
         (["task.hidden_size=100", "task.num_attention_heads=3"], "divisible"),
         (["task.mlm_probability=1.5"], "task.mlm_probability"),
         (["collaboration.agreement_tolerance=0"], "collaboration.agreement_tolerance must be > 0"),
+        (["collaboration.next_chunk_timeout=30"], "below collaboration.averaging_timeout"),  # tiny: 30 s
         (["task_module=nonexistent"], "nonexistent"),
         (["not_an_override"], "key=value"),
     ],
