@@ -107,6 +107,8 @@ def no_decay(name: str) -> bool:
 
 
 class AlbertTask(DatasetTask):
+    input_mismatch_advice = "use the run's tokenizer (a copy of its folder, passed as task.tokenizer=FOLDER)"
+
     def __init__(
         self,
         config: TaskConfig,

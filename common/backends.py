@@ -367,9 +367,11 @@ class RunFingerprints:
         return cls(hashlib.blake2b(repr(layout).encode(), digest_size=8).hexdigest(), task.input_fingerprint())
 
 
-def require_same_model(dht: hivemind.DHT, run_id: str, fingerprints: RunFingerprints) -> None:
+def require_same_model(
+    dht: hivemind.DHT, run_id: str, fingerprints: RunFingerprints, input_advice: str = Task.input_mismatch_advice
+) -> None:
     """Refuse to join a run whose trainers train a differently shaped model or feed it other inputs (never average
-    mismatched state)."""
+    mismatched state); ``input_advice`` ends the error line of the latter."""
     entry = dht.get(metrics_key(run_id), latest=True)
     if entry is None or not isinstance(entry.value, dict):
         return
@@ -386,9 +388,8 @@ def require_same_model(dht: hivemind.DHT, run_id: str, fingerprints: RunFingerpr
             )
         if peer.input_fingerprint and fingerprints.inputs and peer.input_fingerprint != fingerprints.inputs:
             raise PeerError(
-                f"run {run_id!r} numbers its tokens differently (peer {peer.peer_name} has tokenizer fingerprint "
-                f"{peer.input_fingerprint}, this peer {fingerprints.inputs}): use the run's tokenizer "
-                f"(a copy of its folder, passed as task.tokenizer=FOLDER)"
+                f"run {run_id!r} encodes its inputs differently (peer {peer.peer_name} has input fingerprint "
+                f"{peer.input_fingerprint}, this peer {fingerprints.inputs}): {input_advice}"
             )
 
 

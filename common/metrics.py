@@ -41,7 +41,7 @@ class PeerMetrics(pydantic.BaseModel):
     role: pydantic.StrictStr
     recent: List[StepRecord]
     model_fingerprint: pydantic.StrictStr = ""  # parameter names and shapes: peers of one run must agree
-    input_fingerprint: pydantic.StrictStr = ""  # what the inputs mean (a tokenizer's ids): the same
+    input_fingerprint: pydantic.StrictStr = ""  # what the inputs mean (e.g. a tokenizer's ids): the same
 
 
 class MetricsSchema(pydantic.BaseModel):

@@ -49,6 +49,8 @@ class Task(abc.ABC):
     """
 
     model: nn.Module
+    # the clause a trainer's error line ends with when its input fingerprint differs from the run's
+    input_mismatch_advice = "use the run's data settings"
 
     @abc.abstractmethod
     def make_optimizer(self, params: Iterable) -> torch.optim.Optimizer:

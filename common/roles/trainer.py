@@ -59,7 +59,7 @@ def build_backend(
     dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer)
     fingerprints = RunFingerprints.of(task)
     try:
-        require_same_model(dht, config.collaboration.run_id, fingerprints)
+        require_same_model(dht, config.collaboration.run_id, fingerprints, task.input_mismatch_advice)
         collab = dataclasses.replace(
             config.collaboration,
             bandwidth=link_bandwidth(dht, config),

@@ -114,9 +114,9 @@ def test_a_trainer_with_another_tokenizer_is_refused_in_one_line():
             peer_name="trainer0", role="trainer", recent=[], model_fingerprint=run.model, input_fingerprint=run.inputs
         )
         dht.store(metrics_key("run"), record.dict(), get_dht_time() + 60, subkey=b"trainer0")
-        require_same_model(dht, "run", run)
-        with pytest.raises(PeerError, match=r"numbers its tokens differently .* task\.tokenizer=FOLDER"):
-            require_same_model(dht, "run", other)
+        require_same_model(dht, "run", run, run_task.input_mismatch_advice)
+        with pytest.raises(PeerError, match=r"encodes its inputs differently .* task\.tokenizer=FOLDER"):
+            require_same_model(dht, "run", other, other_task.input_mismatch_advice)
         with pytest.raises(PeerError, match="trains a different model"):
             require_same_model(dht, "run", RunFingerprints("another layout", run.inputs))
     finally:
