@@ -73,12 +73,12 @@ def _wait_for_file(path: Path, process: subprocess.Popen, log: Path, timeout: fl
     return path.read_text().strip()
 
 
-@needs_network_namespaces
-@pytest.mark.slow
 def _vocabulary(tokenizer_file: Path) -> list:
     return json.loads(tokenizer_file.read_text())["model"]["vocab"]
 
 
+@needs_network_namespaces
+@pytest.mark.slow
 @pytest.mark.timeout(540)
 @pytest.mark.parametrize("second_volunteer", ["reachable", "firewalled"])
 def test_volunteers_pasting_the_printed_command_on_other_hosts_are_two_contributors(tmp_path, second_volunteer):
