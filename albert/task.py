@@ -204,14 +204,13 @@ class AlbertTask(DatasetTask):
 
 
 def _tokenizer_key(config: TaskConfig) -> str:
-    held_out = [config.heldout_fraction] if config.heldout_fraction else []
     return cache_key(
         TOKENIZER_FORMAT_VERSION,
         config.corpus,
         config.dataset_config,
         config.max_documents,
         config.vocab_size,
-        *held_out,
+        config.heldout_fraction,
     )
 
 
