@@ -26,7 +26,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from common.config import CollaborationConfig
-from common.errors import PeerError, UserError
+from common.errors import ConfigError, PeerError, UserError
 from common.hivemind_compat import count_state_reloads, restart_throughput_timer
 from common.metrics import RECENT_STEPS_KEPT, HistoryWriter, PeerMetrics, StepRecord, aggregate_step, metrics_key
 from common.precision import needs_loss_scaling
@@ -125,14 +125,31 @@ def load_baseline_state(model, optimizer, scheduler, grad_scaler, state: dict) -
 
 
 class SingleProcessBackend(TrainingBackend):
-    """Plain PyTorch: accumulate sample-weighted gradients until ``target_batch_size``, then step."""
+    """Plain PyTorch: accumulate sample-weighted gradients until ``target_batch_size``, then step.
+
+    ``delayed_updates``: apply each global step's gradient one global step late, as a ``dpu`` swarm does (its
+    peers compute step k's gradients while step k-1 is averaged and applied in the background). One process with
+    the same staleness is the reference that tells the algorithm's cost from the swarm's."""
 
     def __init__(
-        self, task: Task, target_batch_size: int, history_dir: Optional[Path] = None, precision: str = "fp32"
+        self,
+        task: Task,
+        target_batch_size: int,
+        history_dir: Optional[Path] = None,
+        precision: str = "fp32",
+        delayed_updates: bool = False,
     ):
         self.task, self.target_batch_size = task, target_batch_size
         device = next(task.model.parameters()).device
         self.grad_scaler = torch.amp.GradScaler(device.type) if needs_loss_scaling(precision) else None
+        if delayed_updates and self.grad_scaler is not None:
+            # a held-back gradient would be unscaled with a loss scale chosen after it was computed
+            raise ConfigError(
+                "training.backend=single with collaboration.semantics=dpu needs training.precision fp32 or bf16, "
+                f"not {precision}"
+            )
+        self.delayed_updates = delayed_updates
+        self.pending_gradients: Optional[List[torch.Tensor]] = None  # delayed_updates: the last step's, unapplied
         self.history = HistoryWriter(history_dir) if history_dir is not None else None
         self.params = [param for param in task.model.parameters() if param.requires_grad]
         self.optimizer = task.make_optimizer(task.optimizer_param_groups())
@@ -154,9 +171,21 @@ class SingleProcessBackend(TrainingBackend):
         if self.samples_accumulated < self.target_batch_size:
             return None
         with torch.no_grad():
-            for param, accumulator in zip(self.params, self.accumulators):
-                param.grad = accumulator / self.samples_accumulated
+            gradients = [accumulator / self.samples_accumulated for accumulator in self.accumulators]
+            for accumulator in self.accumulators:
                 accumulator.zero_()
+        if self.delayed_updates:  # this step applies the previous step's gradient and holds back its own
+            gradients, self.pending_gradients = self.pending_gradients, gradients
+        if gradients is not None:
+            for param, gradient in zip(self.params, gradients):
+                param.grad = gradient
+            self._apply_gradients()
+        self.samples_accumulated = 0
+        finished = self._global_step
+        self._global_step += 1
+        return finished
+
+    def _apply_gradients(self) -> None:
         if self.grad_scaler is None:
             self.optimizer.step()
         else:  # torch's rule: unscale, and skip the step if any gradient of the global batch is not finite
@@ -171,10 +200,6 @@ class SingleProcessBackend(TrainingBackend):
                 )
         if self.scheduler is not None:
             self.scheduler.step()
-        self.samples_accumulated = 0
-        finished = self._global_step
-        self._global_step += 1
-        return finished
 
     def checkpoint_state(self) -> Optional[dict]:
         return {
@@ -183,11 +208,13 @@ class SingleProcessBackend(TrainingBackend):
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "pending_gradients": self.pending_gradients,
         }
 
     def load_checkpoint_state(self, state: dict) -> None:
         load_baseline_state(self.task.model, self.optimizer, self.scheduler, self.grad_scaler, state)
         self._global_step = int(state["step"])
+        self.pending_gradients = state.get("pending_gradients")
 
     def zero_grad(self) -> None:
         for param in self.params:

@@ -306,7 +306,26 @@ def config_from_container(raw: Any, source: str = "config") -> RunConfig:
             config.task = module.TaskConfig(**OmegaConf.to_container(merged.task))
         except (TypeError, ValueError) as error:
             raise ConfigError(f"{source}: task: {error}") from None
+    require_semantics_the_backend_has(config, source)
     return config
+
+
+# One process can hold a gradient back a step (dpu's staleness without a swarm); DDP steps as `sync` only, and
+# local updates only mean something between peers.
+BACKEND_SEMANTICS = {
+    Backend.collaborative: tuple(Semantics),
+    Backend.single: (Semantics.sync, Semantics.dpu),
+    Backend.ddp: (Semantics.sync,),
+}
+
+
+def require_semantics_the_backend_has(config: RunConfig, source: str) -> None:
+    allowed = BACKEND_SEMANTICS[config.training.backend]
+    if config.collaboration.semantics not in allowed:
+        raise ConfigError(
+            f"{source}: training.backend={config.training.backend.value} supports collaboration.semantics "
+            f"{' or '.join(semantics.value for semantics in allowed)}, not {config.collaboration.semantics.value}"
+        )
 
 
 def to_yaml(config: RunConfig) -> str:

@@ -22,7 +22,7 @@ from common.backends import (
     require_same_model,
 )
 from common.checkpoints import CHECKPOINT_DIR, resume_from_checkpoint
-from common.config import Backend, RunConfig, import_task_module
+from common.config import Backend, RunConfig, Semantics, import_task_module
 from common.lifecycle import StopFlag
 from common.optimizer import make_collaborative_optimizer
 from common.peer import device_for, link_bandwidth, start_peer_dht
@@ -50,7 +50,11 @@ def build_backend(
     """``precision``: resolved (fp32, fp16 or bf16); fp16 gives the backend its loss scaler."""
     if config.training.backend == Backend.single:
         return SingleProcessBackend(
-            task, config.collaboration.target_batch_size, history_dir=output_dir, precision=precision
+            task,
+            config.collaboration.target_batch_size,
+            history_dir=output_dir,
+            precision=precision,
+            delayed_updates=config.collaboration.semantics == Semantics.dpu,
         )
     if config.training.backend == Backend.ddp:
         from common.ddp import DDPBackend  # imported lazily: only the baseline needs torch.distributed

@@ -57,6 +57,7 @@ class Setup:
 def all_setups() -> List[Setup]:
     return [
         Setup("single", "single"),
+        Setup("single_dpu", "single", "dpu"),  # one process with dpu's one-step-stale updates: collab_dpu's reference
         Setup(BASELINE, "ddp"),
         *(Setup(f"collab_{semantics}", "collaborative", semantics) for semantics in SEMANTICS),
     ]
@@ -100,9 +101,10 @@ def launch_command(setup: Setup, config_path: str, overrides: Sequence[str], run
             "--config",
             config_path,
             "--name",
-            "single",
+            setup.name,
             *overrides,
             "training.backend=single",
+            *([f"collaboration.semantics={setup.semantics}"] if setup.semantics else []),
             f"training.output_dir={run_dir}",
         ]
     if setup.kind == "ddp":
@@ -278,12 +280,24 @@ def summarize(run: SetupRun, rows: List[Dict], evaluation: Dict[str, float], tai
     }
 
 
+# A swarm's own reference: one process applying updates the same way (dpu: one global step late)
+SAME_UPDATES_IN_ONE_PROCESS = {"collab_sync": "single", "collab_dpu": "single_dpu"}
+
+
 def add_baseline_differences(summaries: List[Dict]) -> None:
-    baseline = next((summary for summary in summaries if summary["setup"] == BASELINE), None)
+    """eval_loss_vs_ddp_percent for every setup; eval_loss_vs_one_process_percent for the swarms whose update rule
+    one process can follow, so a swarm's gap is told apart from its update rule's."""
+    by_name = {summary["setup"]: summary for summary in summaries}
+
+    def percent_above(summary: Dict, reference: Optional[Dict]) -> Optional[float]:
+        if reference is None:
+            return None
+        return 100.0 * (summary["eval_loss"] - reference["eval_loss"]) / reference["eval_loss"]
+
     for summary in summaries:
-        summary["eval_loss_vs_ddp_percent"] = (
-            100.0 * (summary["eval_loss"] - baseline["eval_loss"]) / baseline["eval_loss"] if baseline else None
-        )
+        summary["eval_loss_vs_ddp_percent"] = percent_above(summary, by_name.get(BASELINE))
+        reference = by_name.get(SAME_UPDATES_IN_ONE_PROCESS.get(summary["setup"], ""))
+        summary["eval_loss_vs_one_process_percent"] = percent_above(summary, reference)
 
 
 def write_csv(path: Path, rows: List[Dict]) -> None:
@@ -305,7 +319,7 @@ def plot_curves(rows: List[Dict], path: Path, title: str) -> None:
     figure, (by_samples, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for setup in dict.fromkeys(row["setup"] for row in rows):
         own = [row for row in rows if row["setup"] == setup]
-        style = {"linestyle": "--"} if setup in ("single", BASELINE) else {}
+        style = {"linestyle": "--"} if setup in ("single", "single_dpu", BASELINE) else {}
         by_samples.plot([row["samples_seen"] for row in own], [row["loss"] for row in own], label=setup, **style)
         by_time.plot([row["wall_seconds"] for row in own], [row["loss"] for row in own], label=setup, **style)
     by_samples.set_xlabel("samples seen")
@@ -331,7 +345,7 @@ def summary_table(summaries: List[Dict]) -> str:
             for summary in summaries
             for key in summary
             if key.startswith("eval_")
-            and key not in ("eval_loss", "eval_loss_vs_ddp_percent")
+            and key not in ("eval_loss", "eval_loss_vs_ddp_percent", "eval_loss_vs_one_process_percent")
             and not key.endswith("_loss")
         }
     )
@@ -341,6 +355,7 @@ def summary_table(summaries: List[Dict]) -> str:
         "samples",
         "eval loss",
         "vs ddp",
+        "vs one process, same updates",
         "last-3-step train loss",
         *(name[len("eval_") :] for name in metrics),
         "samples/s steady",
@@ -349,13 +364,15 @@ def summary_table(summaries: List[Dict]) -> str:
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for summary in summaries:
-        difference = summary["eval_loss_vs_ddp_percent"]
         cells = [
             summary["setup"],
             summary["steps"],
             summary["samples"],
             number(summary["eval_loss"], 4),
-            "n/a" if difference is None else f"{difference:+.2f} %",
+            *(
+                "n/a" if difference is None else f"{difference:+.2f} %"
+                for difference in (summary["eval_loss_vs_ddp_percent"], summary["eval_loss_vs_one_process_percent"])
+            ),
             number(summary["train_loss_last_steps"], 4),
             *(number(summary.get(name), 3) for name in metrics),
             number(summary["samples_per_second_steady"], 1),

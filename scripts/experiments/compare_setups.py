@@ -4,10 +4,11 @@
     python scripts/experiments/compare_setups.py --reduced  # CI-sized: a few steps, ~3-4 min on a quiet 2-core box
     python scripts/experiments/compare_setups.py --workers 3 [key=value ...]
 
-Runs, one after the other: one process (training.backend=single), torch DDP with N gloo workers
-(training.backend=ddp through torchrun), and a local hivemind swarm (monitor + N trainers) for each semantics
-(sync, dpu, local). Writes into --output: curves.csv (loss per global step vs samples seen and wall time),
-summary.csv, loss_curves.png and results.md (the exact command, the machine and its load, the table).
+Runs, one after the other: one process (training.backend=single), one process applying each update a step late
+as `dpu` does (single_dpu), torch DDP with N gloo workers (training.backend=ddp through torchrun), and a local
+hivemind swarm (monitor + N trainers) for each semantics (sync, dpu, local). Writes into --output: curves.csv
+(loss per global step vs samples seen and wall time), summary.csv, loss_curves.png and results.md (the exact
+command, the machine and its load, the table).
 """
 
 import logging
@@ -81,7 +82,7 @@ def parse_arguments():
         "--setups",
         nargs="+",
         default=None,
-        help=f"run only these (default: single ddp {' '.join('collab_' + s for s in SEMANTICS)})",
+        help=f"run only these (default: single single_dpu ddp {' '.join('collab_' + s for s in SEMANTICS)})",
     )
     parser.add_argument("--output", default="paper_results/comparison", help="CSV, PNG and results.md go here")
     parser.add_argument("--runs", default="outputs/compare", help="run folders (logs, histories, final models)")
@@ -210,7 +211,8 @@ def main() -> None:
         f"{reused_line}"
         f"- eval loss: each setup's final model (single: the process; ddp: worker 0; collaborative: trainer0) on the "
         f"same {eval_batches} micro-batches of {local_batch} from {evaluation_data}. "
-        f"vs ddp: (eval loss - ddp eval loss) / ddp eval loss.\n"
+        f"vs ddp: (eval loss - ddp eval loss) / ddp eval loss; vs one process, same updates: the same against "
+        f"single for collab_sync and single_dpu for collab_dpu.\n"
         f"- samples/s steady: samples after the first global step / time between the first and last step; "
         f"end-to-end: all samples / wall time from launch to exit (includes data loading and peer start-up).\n\n"
         f"{table}\n"

@@ -38,6 +38,8 @@ def test_overrides_apply():
     config = load_config(TINY, ["training.max_global_steps=3", "collaboration.semantics=dpu"])
     assert config.training.max_global_steps == 3
     assert config.collaboration.semantics is Semantics.dpu
+    single = load_config(TINY, ["training.backend=single", "collaboration.semantics=dpu"])  # dpu's reference
+    assert single.training.backend is Backend.single and single.collaboration.semantics is Semantics.dpu
 
 
 @pytest.mark.parametrize(
@@ -51,6 +53,8 @@ def test_overrides_apply():
         (["task.mlm_probability=1.5"], "task.mlm_probability"),
         (["collaboration.agreement_tolerance=0"], "collaboration.agreement_tolerance must be > 0"),
         (["collaboration.next_chunk_timeout=30"], "below collaboration.averaging_timeout"),  # tiny: 30 s
+        (["training.backend=ddp", "collaboration.semantics=dpu"], "training.backend=ddp supports"),
+        (["training.backend=single", "collaboration.semantics=local"], "supports collaboration.semantics sync or dpu"),
         (["task_module=nonexistent"], "nonexistent"),
         (["not_an_override"], "key=value"),
     ],

@@ -59,7 +59,7 @@ def test_compare_setups_rejects_a_global_batch_the_workers_cannot_split(tmp_path
 def test_a_finished_run_is_reused_only_for_the_same_recipe(tmp_path):
     setups = {setup.name: setup for setup in all_setups()}
     overrides = ["training.max_global_steps=4"]
-    for name in ("single", "ddp", "collab_sync"):
+    for name in ("single", "single_dpu", "ddp", "collab_sync"):
         run_dir = tmp_path / name
         run_dir.mkdir()
         command = launch_command(setups[name], "configs/albert/tiny.yaml", overrides, run_dir, 2)
@@ -70,7 +70,7 @@ def test_a_finished_run_is_reused_only_for_the_same_recipe(tmp_path):
         assert run is not None and (run.launched, run.finished, run.exit_code) == (10.0, 70.0, 0)
         changed = ["training.max_global_steps=5"]
         assert finished_run(setups[name], "configs/albert/tiny.yaml", changed, run_dir, 2) is None
-        if name != "single":  # one more worker or trainer is another run
+        if setups[name].kind != "single":  # one more worker or trainer is another run
             assert finished_run(setups[name], "configs/albert/tiny.yaml", overrides, run_dir, 3) is None
     assert finished_run(setups["single"], "configs/albert/tiny.yaml", overrides, tmp_path / "never_ran", 2) is None
 
@@ -98,7 +98,7 @@ def run_until_done(arguments: list, timeout: float) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
-SETUPS = ["single", "ddp", "collab_sync", "collab_dpu", "collab_local"]
+SETUPS = ["single", "single_dpu", "ddp", "collab_sync", "collab_dpu", "collab_local"]
 REDUCED_STEPS, REDUCED_TARGET = 4, 64
 
 
@@ -111,7 +111,17 @@ def check_comparison_outputs(output) -> None:
         assert 4.0 < float(row["eval_loss"]) < 20.0, name  # a real cross-entropy of an untrained ALBERT head
         assert float(row["samples_per_second_end_to_end"]) > 0, name
     # single and DDP do exactly the global batch per step; hivemind counts reported samples toward the target
-    assert int(summary["single"]["samples"]) == int(summary["ddp"]["samples"]) == REDUCED_STEPS * REDUCED_TARGET
+    assert {int(summary[name]["samples"]) for name in ("single", "single_dpu", "ddp")} == {
+        REDUCED_STEPS * REDUCED_TARGET
+    }
+    # the one-step-late updates of single_dpu leave another model; each swarm is also set against its own rule
+    assert summary["single_dpu"]["eval_loss"] != summary["single"]["eval_loss"]
+    for swarm, reference in (("collab_sync", "single"), ("collab_dpu", "single_dpu")):
+        own, other = float(summary[swarm]["eval_loss"]), float(summary[reference]["eval_loss"])
+        assert float(summary[swarm]["eval_loss_vs_one_process_percent"]) == pytest.approx(
+            100 * (own - other) / other, abs=1e-3
+        )
+    assert summary["collab_local"]["eval_loss_vs_one_process_percent"] == ""
     assert float(summary["ddp"]["eval_loss_vs_ddp_percent"]) == 0.0
 
     with (output / "curves.csv").open() as handle:
@@ -134,7 +144,7 @@ def test_reduced_comparison_runs_every_setup_and_writes_csv_png_and_results(tmp_
     output = tmp_path / "results"
     result = run_until_done(reduced_comparison(output, tmp_path / "runs"), timeout=1140)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "[1/5] single: launching" in result.stderr and "[5/5] collab_local: done in" in result.stderr
+    assert "[1/6] single: launching" in result.stderr and "[6/6] collab_local: done in" in result.stderr
     check_comparison_outputs(output)
     first_summary = (output / "summary.csv").read_text()
 
@@ -142,7 +152,7 @@ def test_reduced_comparison_runs_every_setup_and_writes_csv_png_and_results(tmp_
     rescored = tmp_path / "rescored"
     result = run_until_done([*reduced_comparison(rescored, tmp_path / "runs"), "--reuse-finished"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stderr.count(": reusing the finished run in") == 5, result.stderr[-3000:]
+    assert result.stderr.count(": reusing the finished run in") == 6, result.stderr[-3000:]
     assert ": launching" not in result.stderr
     assert (rescored / "summary.csv").read_text() == first_summary
     assert "Reused finished runs of this command" in (rescored / "results.md").read_text()
