@@ -143,8 +143,10 @@ def run_setup(
     max_steps: int,
     timeout: float,
     stop: StopFlag,
+    inputs: str = "",
 ) -> SetupRun:
-    """Run one setup in its own process group, logging its progress; stop the whole group on timeout or signal."""
+    """Run one setup in its own process group, logging its progress; stop the whole group on timeout or signal.
+    ``inputs``: the task's input fingerprint, recorded so a later ``finished_run`` can tell if the inputs changed."""
     run_dir.mkdir(parents=True, exist_ok=True)
     command = launch_command(setup, config_path, overrides, run_dir, workers)
     log_path = run_dir / "launcher.log"
@@ -174,7 +176,7 @@ def run_setup(
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-5:])
         raise PeerError(f"setup {setup.name} exited with code {process.returncode}: {tail}")
     run = SetupRun(setup, run_dir, launched, time.time(), process.returncode)
-    record = {"recipe": recipe(command), "launched": run.launched, "finished": run.finished}
+    record = {"recipe": recipe(command), "inputs": inputs, "launched": run.launched, "finished": run.finished}
     (run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1))
     return run
 
@@ -185,18 +187,23 @@ def recipe(command: Sequence[str]) -> List[str]:
 
 
 def finished_run(
-    setup: Setup, config_path: str, overrides: Sequence[str], run_dir: Path, workers: int
+    setup: Setup, config_path: str, overrides: Sequence[str], run_dir: Path, workers: int, inputs: str = ""
 ) -> Optional[SetupRun]:
-    """The run already in ``run_dir`` if it finished with exactly the command this comparison would launch.
+    """The run already in ``run_dir`` if it finished with exactly the command this comparison would launch, on
+    the same inputs (``inputs``: the task's input fingerprint, e.g. its tokenizer's numbering).
 
     Lets a long comparison resume after an interruption, or run its setups at different times (e.g. the
-    baselines while the machine is busy with something else); any difference in the command reruns the setup.
+    baselines while the machine is busy with something else); any difference in the command reruns the setup,
+    and so do other inputs: a model trained on other token ids would be scored on batches it cannot read.
     """
     record_path = run_dir / RUN_RECORD
     if not record_path.is_file():
         return None
     record = json.loads(record_path.read_text())
     if record.get("recipe") != recipe(launch_command(setup, config_path, overrides, run_dir, workers)):
+        return None
+    if record.get("inputs", "") != inputs:
+        logger.info(f"{setup.name}: the finished run in {run_dir} was trained on other inputs; running it again")
         return None
     return SetupRun(setup, run_dir, record["launched"], record["finished"], 0)
 

@@ -156,24 +156,28 @@ def main() -> None:
         f"{args.workers} DDP workers, {trainers} trainers, seed {config.training.seed}"
     )
 
+    eval_batches = args.eval_batches or (8 if args.reduced else 32)
+    # built first: a run is reused only if it was trained on the inputs these evaluation batches are made of
+    task, batches, evaluation_data = evaluation_batches(config, eval_batches)
+    inputs = task.input_fingerprint()
+
     started, load_before = datetime.now(timezone.utc), os.getloadavg()
     finished_runs, reused = [], []
     for index, setup in enumerate(setups, start=1):
         workers = trainers if setup.kind == "collaborative" else args.workers
-        run = finished_run(setup, args.config, overrides, runs / setup.name, workers) if args.reuse_finished else None
+        run_dir = runs / setup.name
+        run = finished_run(setup, args.config, overrides, run_dir, workers, inputs) if args.reuse_finished else None
         if run is not None:
             logger.info(f"[{index}/{len(setups)}] {setup.name}: reusing the finished run in {run.run_dir}")
             reused.append(setup.name)
         else:
             logger.info(f"[{index}/{len(setups)}] {setup.name}: launching (load average {load_text(os.getloadavg())})")
-            run = run_setup(setup, args.config, overrides, runs / setup.name, workers, steps, args.timeout, stop)
+            run = run_setup(setup, args.config, overrides, run_dir, workers, steps, args.timeout, stop, inputs)
         logger.info(f"[{index}/{len(setups)}] {setup.name}: done in {run.finished - run.launched:.0f} s")
         finished_runs.append(run)
     load_after = os.getloadavg()
 
-    eval_batches = args.eval_batches or (8 if args.reduced else 32)
     logger.info(f"scoring every final model on the same {eval_batches} evaluation batches of {local_batch}")
-    task, batches, evaluation_data = evaluation_batches(config, eval_batches)
     curves, summaries = [], []
     for run in finished_runs:
         rows = curve_rows(run)

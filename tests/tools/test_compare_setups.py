@@ -63,16 +63,19 @@ def test_a_finished_run_is_reused_only_for_the_same_recipe(tmp_path):
         run_dir = tmp_path / name
         run_dir.mkdir()
         command = launch_command(setups[name], "configs/albert/tiny.yaml", overrides, run_dir, 2)
-        record = {"recipe": recipe(command), "launched": 10.0, "finished": 70.0}
+        record = {"recipe": recipe(command), "inputs": "pieces-v2", "launched": 10.0, "finished": 70.0}
         (run_dir / RUN_RECORD).write_text(json.dumps(record))
         # torchrun's port differs from launch to launch; that is not a different run
-        run = finished_run(setups[name], "configs/albert/tiny.yaml", overrides, run_dir, 2)
+        run = finished_run(setups[name], "configs/albert/tiny.yaml", overrides, run_dir, 2, "pieces-v2")
         assert run is not None and (run.launched, run.finished, run.exit_code) == (10.0, 70.0, 0)
         changed = ["training.max_global_steps=5"]
-        assert finished_run(setups[name], "configs/albert/tiny.yaml", changed, run_dir, 2) is None
+        assert finished_run(setups[name], "configs/albert/tiny.yaml", changed, run_dir, 2, "pieces-v2") is None
         if setups[name].kind != "single":  # one more worker or trainer is another run
-            assert finished_run(setups[name], "configs/albert/tiny.yaml", overrides, run_dir, 3) is None
-    assert finished_run(setups["single"], "configs/albert/tiny.yaml", overrides, tmp_path / "never_ran", 2) is None
+            assert finished_run(setups[name], "configs/albert/tiny.yaml", overrides, run_dir, 3, "pieces-v2") is None
+        # the same command on a tokenizer that numbers its pieces otherwise is another run
+        assert finished_run(setups[name], "configs/albert/tiny.yaml", overrides, run_dir, 2, "pieces-v3") is None
+    never_ran = tmp_path / "never_ran"
+    assert finished_run(setups["single"], "configs/albert/tiny.yaml", overrides, never_ran, 2, "pieces-v2") is None
 
 
 def run_until_done(arguments: list, timeout: float) -> subprocess.CompletedProcess:
