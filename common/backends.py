@@ -201,6 +201,14 @@ class SingleProcessBackend(TrainingBackend):
         if self.scheduler is not None:
             self.scheduler.step()
 
+    def finalize(self, wait: bool = True) -> None:
+        # a dpu peer's finalize applies its last background update, so the run ends with every step's gradient applied
+        if self.pending_gradients is not None:
+            for param, gradient in zip(self.params, self.pending_gradients):
+                param.grad = gradient
+            self._apply_gradients()
+            self.pending_gradients = None
+
     def checkpoint_state(self) -> Optional[dict]:
         return {
             "step": self._global_step,
