@@ -35,7 +35,7 @@ def weight_after_each_step(backend: SingleProcessBackend, gradients) -> list:
         weight.grad = torch.full_like(weight, gradient)
         assert backend.step(batch_size=backend.target_batch_size) is not None  # one micro-batch = one global step
         backend.zero_grad()
-        seen.append(float(weight))
+        seen.append(float(weight.detach()))
     return seen
 
 
@@ -48,7 +48,7 @@ def test_delayed_updates_apply_the_previous_steps_gradient_and_the_last_one_at_t
     backend = SingleProcessBackend(OneWeightTask(), target_batch_size=4, delayed_updates=True)
     assert weight_after_each_step(backend, [-1.0, -2.0, -3.0]) == [0.0, 1.0, 3.0]
     backend.finalize()  # as a dpu peer applies its last background update when it stops
-    assert float(backend.task.model.weight) == 6.0
+    assert float(backend.task.model.weight.detach()) == 6.0
 
 
 def test_a_resumed_run_applies_the_gradient_held_back_before_the_checkpoint():
