@@ -177,15 +177,15 @@ class SingleProcessBackend(TrainingBackend):
         if self.delayed_updates:  # this step applies the previous step's gradient and holds back its own
             gradients, self.pending_gradients = self.pending_gradients, gradients
         if gradients is not None:
-            for param, gradient in zip(self.params, gradients):
-                param.grad = gradient
-            self._apply_gradients()
+            self._apply_gradients(gradients)
         self.samples_accumulated = 0
         finished = self._global_step
         self._global_step += 1
         return finished
 
-    def _apply_gradients(self) -> None:
+    def _apply_gradients(self, gradients: List[torch.Tensor]) -> None:
+        for param, gradient in zip(self.params, gradients):
+            param.grad = gradient
         if self.grad_scaler is None:
             self.optimizer.step()
         else:  # torch's rule: unscale, and skip the step if any gradient of the global batch is not finite
@@ -204,9 +204,7 @@ class SingleProcessBackend(TrainingBackend):
     def finalize(self, wait: bool = True) -> None:
         # a dpu peer's finalize applies its last background update, so the run ends with every step's gradient applied
         if self.pending_gradients is not None:
-            for param, gradient in zip(self.params, self.pending_gradients):
-                param.grad = gradient
-            self._apply_gradients()
+            self._apply_gradients(self.pending_gradients)
             self.pending_gradients = None
 
     def checkpoint_state(self) -> Optional[dict]:
