@@ -317,6 +317,17 @@ def write_csv(path: Path, rows: List[Dict]) -> None:
             )
 
 
+def plot_title(setups: List[Setup], steps: int, target: int, workers: int, trainers: int) -> str:
+    """The figure's title, naming worker counts only for the kinds of setup that ran."""
+    kinds = {setup.kind for setup in setups}
+    parts = [f"tiny ALBERT, {steps} steps x {target} samples"]
+    if "ddp" in kinds:
+        parts.append(f"{workers} DDP workers")
+    if "collaborative" in kinds:
+        parts.append(f"{trainers} trainers")
+    return ", ".join(parts)
+
+
 def plot_curves(rows: List[Dict], path: Path, title: str) -> None:
     import matplotlib
 

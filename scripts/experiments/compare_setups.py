@@ -36,6 +36,7 @@ from common.tools.comparison import (
     evaluation_batches,
     finished_run,
     plot_curves,
+    plot_title,
     run_setup,
     summarize,
     summary_table,
@@ -187,11 +188,7 @@ def main() -> None:
 
     write_csv(output / "curves.csv", curves)
     write_csv(output / "summary.csv", summaries)
-    plot_curves(
-        curves,
-        output / "loss_curves.png",
-        f"tiny ALBERT, {steps} steps x {target} samples, {args.workers} DDP workers, {trainers} trainers",
-    )
+    plot_curves(curves, output / "loss_curves.png", plot_title(setups, steps, target, args.workers, trainers))
     command = " ".join(
         shlex.quote(part)
         for part in [Path(sys.executable).name, "scripts/experiments/compare_setups.py", *sys.argv[1:]]

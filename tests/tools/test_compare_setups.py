@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from common.config import Backend, load_config
-from common.tools.comparison import RUN_RECORD, all_setups, finished_run, launch_command, recipe
+from common.tools.comparison import RUN_RECORD, all_setups, finished_run, launch_command, plot_title, recipe
 from tests.helpers import PYTHON, ROOT, run_script
 
 PAPER_WORKERS = 8  # the paper's HPC baseline: 8 x V100 with all-reduce
@@ -33,6 +33,16 @@ def test_paper_baseline_config_is_the_paper_recipe_on_ddp_with_a_consistent_glob
         OmegaConf.load(ROOT / "configs/albert/baseline_paper.yaml").task
         == OmegaConf.load(ROOT / "configs/albert/paper.yaml").task
     )  # the YAML copies stay identical too
+
+
+def test_plot_title_names_worker_counts_only_for_setups_that_ran():
+    setups = {setup.name: setup for setup in all_setups()}
+    pair = plot_title([setups["single"], setups["collab_sync"]], 500, 256, workers=2, trainers=3)
+    assert pair == "tiny ALBERT, 500 steps x 256 samples, 3 trainers"
+    every = plot_title(list(setups.values()), 250, 256, workers=2, trainers=3)
+    assert every == "tiny ALBERT, 250 steps x 256 samples, 2 DDP workers, 3 trainers"
+    alone = plot_title([setups["single_dpu"]], 250, 256, workers=2, trainers=3)
+    assert alone == "tiny ALBERT, 250 steps x 256 samples"
 
 
 def reduced_comparison(output: Path, runs: Path, *options: str) -> list:
