@@ -14,7 +14,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from common.config import NetworkConfig
 from common.errors import PeerError
-from common.hivemind_compat import keep_inbound_stream_handlers_alive
+from common.hivemind_compat import close_averager_p2p_on_shutdown, keep_inbound_stream_handlers_alive
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ def start_dht(
             "a client-mode peer accepts no inbound connections, so it cannot start a swarm: "
             "give network.initial_peers of a peer that is not in client mode"
         )
-    keep_inbound_stream_handlers_alive()  # before the DHT's process (and later the averagers') is forked
+    # before the DHT's process (and later the averagers') is forked
+    keep_inbound_stream_handlers_alive()
+    close_averager_p2p_on_shutdown()
     try:
         dht = hivemind.DHT(
             initial_peers=initial_peers,
