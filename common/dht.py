@@ -14,7 +14,11 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from common.config import NetworkConfig
 from common.errors import PeerError
-from common.hivemind_compat import close_averager_p2p_on_shutdown, keep_inbound_stream_handlers_alive
+from common.hivemind_compat import (
+    close_averager_p2p_on_shutdown,
+    finish_abandoned_executor_maps,
+    keep_inbound_stream_handlers_alive,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,7 @@ def start_dht(
     # before the DHT's process (and later the averagers') is forked
     keep_inbound_stream_handlers_alive()
     close_averager_p2p_on_shutdown()
+    finish_abandoned_executor_maps()
     try:
         dht = hivemind.DHT(
             initial_peers=initial_peers,

@@ -1,0 +1,57 @@
+"""An all-reduce's executor map that is dropped mid-stream is closed without asyncio logging a destroyed task."""
+
+import asyncio
+import gc
+import logging
+
+import pytest
+from hivemind.averaging import allreduce
+
+from common.hivemind_compat import finish_abandoned_executor_maps
+
+
+async def numbers(count=None):
+    value = 0
+    while count is None or value < count:
+        yield value
+        value += 1
+
+
+async def failing_after(count):
+    async for value in numbers(count):
+        yield value
+    raise ConnectionResetError("stream reset")
+
+
+async def drop_a_started_map_in_a_reference_cycle() -> int:
+    """Start a map over an endless stream, leave it (and its producer, blocked on the full queue) referred to only by
+    a reference cycle, collect garbage; how many tasks besides this one are still running after that?"""
+    executor_map = allreduce.amap_in_executor(lambda value: value * 2, numbers(), max_prefetch=1)
+    assert await executor_map.__anext__() == 0
+    await asyncio.sleep(0.2)  # the producer fills the queue and waits
+    cycle = {"map": executor_map}
+    cycle["itself"] = cycle
+    del executor_map, cycle
+    gc.collect()
+    await asyncio.sleep(0.2)  # the map's aclose, scheduled by its finalizer, cancels the producer
+    return len(asyncio.all_tasks()) - 1
+
+
+async def collect(stream):
+    return [value async for value in stream]
+
+
+def test_dropped_map_cancels_its_producer_without_logging_an_error(caplog):
+    finish_abandoned_executor_maps()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        assert asyncio.run(drop_a_started_map_in_a_reference_cycle()) == 0
+        gc.collect()
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
+
+
+def test_map_yields_results_in_order_and_raises_what_its_input_raised():
+    finish_abandoned_executor_maps()
+    doubled = allreduce.amap_in_executor(lambda left, right: left + right, numbers(5), numbers(5))
+    assert asyncio.run(collect(doubled)) == [0, 2, 4, 6, 8]
+    with pytest.raises(ConnectionResetError, match="stream reset"):
+        asyncio.run(collect(allreduce.amap_in_executor(lambda value: value, failing_after(3))))
