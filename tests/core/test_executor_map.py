@@ -23,6 +23,23 @@ async def failing_after(count):
     raise ConnectionResetError("stream reset")
 
 
+async def breaks_when_cancelled():
+    """One value, then a read that fails with the stream's error when cancelled, as a p2p stream read under
+    ``asyncio.wait_for`` does when the stream broke at the moment of the cancellation."""
+    yield 0
+    try:
+        await asyncio.get_running_loop().create_future()
+    except asyncio.CancelledError:
+        raise BrokenPipeError("the stream broke while the read was cancelled") from None
+
+
+async def close_a_map_whose_producer_fails_on_cancellation() -> None:
+    executor_map = allreduce.amap_in_executor(lambda value: value, breaks_when_cancelled())
+    assert await executor_map.__anext__() == 0
+    await asyncio.sleep(0.1)  # the producer waits for the next input
+    await executor_map.aclose()
+
+
 async def drop_a_started_map_in_a_reference_cycle() -> int:
     """Start a map over an endless stream, leave it (and its producer, blocked on the full queue) referred to only by
     a reference cycle, collect garbage; how many tasks besides this one are still running after that?"""
@@ -45,6 +62,14 @@ def test_dropped_map_cancels_its_producer_without_logging_an_error(caplog):
     finish_abandoned_executor_maps()
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         assert asyncio.run(drop_a_started_map_in_a_reference_cycle()) == 0
+        gc.collect()
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
+
+
+def test_closed_map_retrieves_the_error_its_producer_queued_while_cancelled(caplog):
+    finish_abandoned_executor_maps()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(close_a_map_whose_producer_fails_on_cancellation())
         gc.collect()
     assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
 
