@@ -6,19 +6,20 @@ import logging
 
 import pytest
 from hivemind.averaging import allreduce
+from hivemind.utils.asyncio import as_aiter
 
 from common.hivemind_compat import finish_abandoned_executor_maps
 
 
-async def numbers(count=None):
+async def endless_numbers():
     value = 0
-    while count is None or value < count:
+    while True:
         yield value
         value += 1
 
 
 async def failing_after(count):
-    async for value in numbers(count):
+    async for value in as_aiter(*range(count)):
         yield value
     raise ConnectionResetError("stream reset")
 
@@ -43,7 +44,7 @@ async def close_a_map_whose_producer_fails_on_cancellation() -> None:
 async def drop_a_started_map_in_a_reference_cycle() -> int:
     """Start a map over an endless stream, leave it (and its producer, blocked on the full queue) referred to only by
     a reference cycle, collect garbage; how many tasks besides this one are still running after that?"""
-    executor_map = allreduce.amap_in_executor(lambda value: value * 2, numbers(), max_prefetch=1)
+    executor_map = allreduce.amap_in_executor(lambda value: value * 2, endless_numbers(), max_prefetch=1)
     assert await executor_map.__anext__() == 0
     await asyncio.sleep(0.2)  # the producer fills the queue and waits
     cycle = {"map": executor_map}
@@ -76,7 +77,7 @@ def test_closed_map_retrieves_the_error_its_producer_queued_while_cancelled(capl
 
 def test_map_yields_results_in_order_and_raises_what_its_input_raised():
     finish_abandoned_executor_maps()
-    doubled = allreduce.amap_in_executor(lambda left, right: left + right, numbers(5), numbers(5))
+    doubled = allreduce.amap_in_executor(lambda left, right: left + right, as_aiter(*range(5)), as_aiter(*range(5)))
     assert asyncio.run(collect(doubled)) == [0, 2, 4, 6, 8]
     with pytest.raises(ConnectionResetError, match="stream reset"):
         asyncio.run(collect(allreduce.amap_in_executor(lambda value: value, failing_after(3))))
