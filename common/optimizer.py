@@ -19,6 +19,7 @@ from hivemind.compression import (
 from common.config import CollaborationConfig, Compression, Semantics
 from common.hivemind_compat import (
     bound_state_downloads,
+    catch_up_one_step_behind,
     client_mode_argument,
     grad_buffers_for_scaler,
     keep_inbound_stream_handlers_alive,
@@ -108,4 +109,6 @@ def make_collaborative_optimizer(
         verbose=True,  # status lines at INFO; common.lifecycle.setup_logging decides which loggers show them
     )
     bound_state_downloads(optimizer, collab.load_state_deadline, stop_requested or (lambda: False))
+    if collab.catch_up_one_step_behind:
+        catch_up_one_step_behind(optimizer)
     return optimizer

@@ -1,0 +1,53 @@
+"""A trainer one step behind the swarm right after its update: hivemind reloads the swarm's state; with
+``collaboration.catch_up_one_step_behind`` it steps to catch up, and two steps behind still reloads."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import hivemind
+import pytest
+
+from common.config import CollaborationConfig
+from common.hivemind_compat import catch_up_one_step_behind
+
+
+def trainer_after_update(local_epoch: int, global_epoch: int) -> SimpleNamespace:
+    """The state ``hivemind.Optimizer.step`` checks: an update has just happened and the swarm's progress is in."""
+    fetched = threading.Event()
+    fetched.set()
+    tracker = SimpleNamespace(global_epoch=global_epoch, fetched_global_progress_this_epoch=fetched)
+    return SimpleNamespace(local_epoch=local_epoch, tracker=tracker, _should_check_synchronization_on_update=True)
+
+
+def hivemind_reloads(trainer: SimpleNamespace) -> bool:
+    return hivemind.Optimizer._should_load_state_from_peers(trainer)
+
+
+def patched_reloads(trainer: SimpleNamespace) -> bool:
+    catch_up_one_step_behind(trainer)
+    return trainer._should_load_state_from_peers()
+
+
+@pytest.mark.parametrize(
+    "behind, hivemind_reload, patched_reload",
+    [(0, False, False), (1, True, False), (2, True, True), (5, True, True)],
+)
+def test_only_two_or_more_steps_behind_reloads(behind, hivemind_reload, patched_reload):
+    assert hivemind_reloads(trainer_after_update(10, 10 + behind)) is hivemind_reload
+    trainer = trainer_after_update(10, 10 + behind)
+    assert patched_reloads(trainer) is patched_reload
+    assert trainer._should_check_synchronization_on_update is False  # the check is spent, as in hivemind
+
+
+def test_check_waits_for_the_swarms_progress():
+    """Before the swarm's progress for this epoch is fetched, the once-per-step check stays pending."""
+    trainer = trainer_after_update(10, 11)
+    trainer.tracker.fetched_global_progress_this_epoch.clear()
+    assert patched_reloads(trainer) is False
+    assert trainer._should_check_synchronization_on_update is True
+
+
+def test_off_by_default():
+    assert CollaborationConfig().catch_up_one_step_behind is False
