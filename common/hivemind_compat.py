@@ -680,8 +680,9 @@ def catch_up_one_step_behind(optimizer: hivemind.Optimizer) -> None:
     """
 
     def should_load_state_from_peers(self: hivemind.Optimizer) -> bool:
+        # spend the exact check where hivemind would, so that its tolerant rule decides
         if self._should_check_synchronization_on_update and self.tracker.fetched_global_progress_this_epoch.is_set():
             self._should_check_synchronization_on_update = False
-        return self.local_epoch < self.tracker.global_epoch - 1
+        return hivemind.Optimizer._should_load_state_from_peers(self)
 
     optimizer._should_load_state_from_peers = types.MethodType(should_load_state_from_peers, optimizer)

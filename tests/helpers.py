@@ -21,6 +21,7 @@ TINY_ALBERT = str(ROOT / "configs/albert/tiny.yaml")
 from common.backends import SingleProcessBackend  # noqa: E402  (conftest puts the repository on sys.path)
 from common.config import RunConfig, load_config  # noqa: E402
 from common.swarm import LocalSwarm  # noqa: E402
+from common.task import Task  # noqa: E402
 from common.tools.comparison import torchrun_command  # noqa: E402
 
 # How far fp16 wire compression may leave trainers apart (2 x lr with LAMB; the reasoning is in tiny.yaml).
@@ -253,3 +254,21 @@ EQUIVALENCE_OVERRIDES = [
     # default (matchmaking_time) a 10-s gap dropped both parts of a round
     "collaboration.next_chunk_timeout=30",
 ]
+
+
+class OneWeightTask(Task):
+    """A single weight stepped by plain SGD (lr 1), so each applied gradient shows up exactly in the weight."""
+
+    def __init__(self):
+        self.model = torch.nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            self.model.weight.zero_()
+
+    def make_optimizer(self, params):
+        return torch.optim.SGD(params, lr=1.0)
+
+    def batches(self, stream_seed):
+        raise NotImplementedError  # the tests hand the backend gradients directly
+
+    def forward(self, model, batch):
+        raise NotImplementedError

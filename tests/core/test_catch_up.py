@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import hivemind
 import pytest
-import torch
 
 from common.config import CollaborationConfig
 from common.hivemind_compat import catch_up_one_step_behind, close_averager_p2p_on_shutdown
 from common.optimizer import make_collaborative_optimizer
+from tests.helpers import OneWeightTask
 
 
 def trainer_after_update(local_epoch: int, global_epoch: int) -> SimpleNamespace:
@@ -55,22 +55,6 @@ def test_off_by_default():
     assert CollaborationConfig().catch_up_one_step_behind is False
 
 
-class LinearTask:
-    """The part of a task ``make_collaborative_optimizer`` uses, around a one-layer model."""
-
-    def __init__(self):
-        self.model = torch.nn.Linear(4, 2)
-
-    def optimizer_param_groups(self) -> list:
-        return [{"params": list(self.model.parameters())}]
-
-    def make_optimizer(self, param_groups) -> torch.optim.Optimizer:
-        return torch.optim.SGD(param_groups, lr=0.1)
-
-    def make_scheduler(self, optimizer):
-        return None
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("catch_up", [False, True])
 def test_the_setting_reaches_the_optimizer(catch_up):
@@ -79,7 +63,7 @@ def test_the_setting_reaches_the_optimizer(catch_up):
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:
         collab = CollaborationConfig(run_id="catch_up_test", catch_up_one_step_behind=catch_up)
-        optimizer = make_collaborative_optimizer(dht, LinearTask(), collab, local_batch_size=4)
+        optimizer = make_collaborative_optimizer(dht, OneWeightTask(), collab, local_batch_size=4)
         try:
             # the swarm's progress as the tracker would report it, without waiting on the tracker's fetches
             tracker, optimizer.tracker = optimizer.tracker, trainer_after_update(0, optimizer.local_epoch + 1).tracker

@@ -7,25 +7,7 @@ import torch
 
 from common.backends import SingleProcessBackend
 from common.errors import ConfigError
-from common.task import Task
-
-
-class OneWeightTask(Task):
-    """A single weight stepped by plain SGD (lr 1), so each applied gradient shows up exactly in the weight."""
-
-    def __init__(self):
-        self.model = torch.nn.Linear(1, 1, bias=False)
-        with torch.no_grad():
-            self.model.weight.zero_()
-
-    def make_optimizer(self, params):
-        return torch.optim.SGD(params, lr=1.0)
-
-    def batches(self, stream_seed):
-        raise NotImplementedError  # the tests hand the backend gradients directly
-
-    def forward(self, model, batch):
-        raise NotImplementedError
+from tests.helpers import OneWeightTask
 
 
 def weight_after_each_step(backend: SingleProcessBackend, gradients) -> list:
