@@ -674,7 +674,7 @@ def catch_up_one_step_behind(optimizer: hivemind.Optimizer) -> None:
     second or two past a swarm-mate's is routinely one step behind at that check: in 500-step ``dpu`` runs of three
     trainers each reloaded 11-27 times and only 346-392 gradient rounds had all three. This applies the tolerant
     rule at that check too; two or more steps behind still reloads. With it, over three seeds: 0-2 reloads, 480-495
-    whole rounds, held-out MLM loss +0.48 % from one process's on average instead of +0.84 %
+    rounds with all three trainers, held-out MLM loss +0.48 % from one process's on average instead of +0.84 %
     (paper_results/comparison/past_plateau, tenth measurement). Opt-in through
     ``collaboration.catch_up_one_step_behind``: measured with ``dpu`` only.
     """
