@@ -110,7 +110,7 @@ class CollaborationConfig:
     average_state_every: int = 1
     # a trainer one step behind the swarm right after its own update catches up by stepping instead of downloading
     # the swarm's state and dropping its accumulated gradients (common/hivemind_compat.catch_up_one_step_behind);
-    # measured with dpu semantics only, where it keeps every trainer in nearly every gradient round
+    # measured over three seeds with dpu and sync semantics: it keeps every trainer in nearly every gradient round
     catch_up_one_step_behind: bool = False
     load_state_timeout: float = 60.0  # seconds one attempt to download the swarm's state may take
     # a peer that cannot download the swarm's state (joining, or after falling behind) retries with backoff and

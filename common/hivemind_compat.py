@@ -675,8 +675,8 @@ def catch_up_one_step_behind(optimizer: hivemind.Optimizer) -> None:
     trainers each reloaded 11-27 times and only 346-392 gradient rounds had all three. This applies the tolerant
     rule at that check too; two or more steps behind still reloads. With it, over three seeds: 0-2 reloads, 480-495
     rounds with all three trainers, held-out MLM loss +0.48 % from one process's on average instead of +0.84 %
-    (paper_results/comparison/past_plateau, tenth measurement). Opt-in through
-    ``collaboration.catch_up_one_step_behind``: measured with ``dpu`` only.
+    (paper_results/comparison/past_plateau, tenth measurement; ``sync``: twelfth). Opt-in through
+    ``collaboration.catch_up_one_step_behind``.
     """
 
     def should_load_state_from_peers(self: hivemind.Optimizer) -> bool:
