@@ -15,12 +15,18 @@ from common.optimizer import make_collaborative_optimizer
 from tests.helpers import OneWeightTask
 
 
-def trainer_after_update(local_epoch: int, global_epoch: int) -> SimpleNamespace:
-    """The state ``hivemind.Optimizer.step`` checks: an update has just happened and the swarm's progress is in."""
+def swarm_progress(global_epoch: int) -> SimpleNamespace:
+    """The progress tracker's view once the swarm's progress for this epoch is in."""
     fetched = threading.Event()
     fetched.set()
-    tracker = SimpleNamespace(global_epoch=global_epoch, fetched_global_progress_this_epoch=fetched)
-    return SimpleNamespace(local_epoch=local_epoch, tracker=tracker, _should_check_synchronization_on_update=True)
+    return SimpleNamespace(global_epoch=global_epoch, fetched_global_progress_this_epoch=fetched)
+
+
+def trainer_after_update(local_epoch: int, global_epoch: int) -> SimpleNamespace:
+    """The state ``hivemind.Optimizer.step`` checks: an update has just happened and the swarm's progress is in."""
+    return SimpleNamespace(
+        local_epoch=local_epoch, tracker=swarm_progress(global_epoch), _should_check_synchronization_on_update=True
+    )
 
 
 def hivemind_reloads(trainer: SimpleNamespace) -> bool:
@@ -66,7 +72,7 @@ def test_the_setting_reaches_the_optimizer(catch_up):
         optimizer = make_collaborative_optimizer(dht, OneWeightTask(), collab, local_batch_size=4)
         try:
             # the swarm's progress as the tracker would report it, without waiting on the tracker's fetches
-            tracker, optimizer.tracker = optimizer.tracker, trainer_after_update(0, optimizer.local_epoch + 1).tracker
+            tracker, optimizer.tracker = optimizer.tracker, swarm_progress(optimizer.local_epoch + 1)
             try:
                 optimizer._should_check_synchronization_on_update = True  # as right after an update
                 assert optimizer._should_load_state_from_peers() is not catch_up
