@@ -294,6 +294,11 @@ def test_two_trainer_swarm_stays_in_sync(tmp_path):
         "task.queue_start_step=3",
         "task.queue_length=32",
         "collaboration.matchmaking_time=1.0",
+        # with hivemind's default chunk timeout (matchmaking_time: 1 s) a trainer once dropped its groupmate's
+        # parts that had not come within the second; the two trainers' rounds then paired different steps, and
+        # the last step ran alone with local gradients
+        "collaboration.averaging_timeout=60",
+        "collaboration.next_chunk_timeout=30",
         "training.log_every_seconds=5",
     ]
     with LocalSwarm(TINY, tmp_path, overrides) as swarm:
