@@ -16,6 +16,7 @@ from common.config import NetworkConfig
 from common.errors import PeerError
 from common.hivemind_compat import (
     close_averager_p2p_on_shutdown,
+    deliver_whole_streams,
     finish_abandoned_executor_maps,
     keep_inbound_stream_handlers_alive,
 )
@@ -50,6 +51,7 @@ def start_dht(
         )
     # before the DHT's process (and later the averagers') is forked
     keep_inbound_stream_handlers_alive()
+    deliver_whole_streams()
     close_averager_p2p_on_shutdown()
     finish_abandoned_executor_maps()
     try:

@@ -170,9 +170,14 @@ def run_worker(plan: dict) -> None:
     from hivemind.averaging.control import AveragingStage
 
     torch.set_num_threads(1)
-    from common.hivemind_compat import read_8bit_tensors_with_numpy_2, stream_results_to_zero_share_full_peers
+    from common.hivemind_compat import (
+        deliver_whole_streams,
+        read_8bit_tensors_with_numpy_2,
+        stream_results_to_zero_share_full_peers,
+    )
 
     read_8bit_tensors_with_numpy_2()  # as every trainer does
+    deliver_whole_streams()
     if plan["zero_share_results"] == "streamed":
         stream_results_to_zero_share_full_peers()
     if plan["trace_interval"] > 0:
