@@ -793,7 +793,7 @@ def deliver_whole_streams() -> None:
                     while True:
                         try:
                             response, error = await P2P.receive_protobuf(output_protobuf_type, reader)
-                        except asyncio.IncompleteReadError:  # closed without the marker: a handler without this patch
+                        except asyncio.IncompleteReadError:  # no marker: an unpatched handler, or one that died
                             break
                         if error == P2P.END_OF_STREAM:
                             break
