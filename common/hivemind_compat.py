@@ -750,8 +750,7 @@ def deliver_whole_streams() -> None:
                     await send(P2P.END_OF_STREAM)
                 except Exception as error:
                     logger.warning("p2p stream handler %s failed: %r", name, error)
-                    with suppress(Exception):
-                        await P2P.send_protobuf(RPCError(message=str(error) or repr(error)), writer)
+                    await send(RPCError(message=str(error) or repr(error)))
 
             with closing(writer):
                 processing = asyncio.create_task(process_requests())
