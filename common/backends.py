@@ -34,6 +34,11 @@ from common.task import Task
 
 logger = logging.getLogger(__name__)
 PUBLISH_TIMEOUT = 10.0  # seconds a leaving trainer waits for its last metrics record to reach the DHT
+# The last trainer to reach the start barrier passes it at once, the others at their next poll, so the poll interval
+# bounds how far apart they start. One that starts late is not yet looking for a group when the first gradient round
+# forms; its gradients then wait for the next group, which averages the following step.
+BARRIER_POLL_SECONDS = 0.1
+BARRIER_ANNOUNCE_SECONDS = 1.0  # how often a waiting trainer renews its "I am here" record
 
 
 class TrainingBackend(abc.ABC):
@@ -332,9 +337,11 @@ class CollaborativeBackend(TrainingBackend):
     def wait_for_swarm(self, stop_requested) -> None:
         """Start barrier: wait until ``expected_peers`` trainers report, so nobody races ahead alone."""
         expected, deadline = self.collab.expected_peers, time.monotonic() + self.collab.start_barrier_timeout
-        last_log = 0.0
+        last_log = last_announcement = 0.0
         while not stop_requested():
-            self.publish([])  # hivemind's tracker shows a peer only once it has samples: announce ourselves
+            if time.monotonic() - last_announcement > BARRIER_ANNOUNCE_SECONDS:
+                self.publish([])  # hivemind's tracker shows a peer only once it has samples: announce ourselves
+                last_announcement = time.monotonic()
             trainers = count_trainers(self.dht, self.collab.run_id)
             if trainers >= expected:
                 logger.info(f"start barrier passed: {trainers} trainers visible")
@@ -345,7 +352,7 @@ class CollaborativeBackend(TrainingBackend):
             if time.monotonic() - last_log > 5:
                 logger.info(f"waiting for peers: {trainers}/{expected} trainers visible")
                 last_log = time.monotonic()
-            time.sleep(0.5)
+            time.sleep(BARRIER_POLL_SECONDS)
         restart_throughput_timer(self.optimizer)
         self.swarm_status()  # the first progress report then has a swarm rate to show
 

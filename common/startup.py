@@ -38,14 +38,17 @@ def write_to(output_dir: Path) -> None:
 
 
 def breakdown() -> dict:
-    """Seconds per phase, in order, and the total since the process started."""
-    previous, phases = _process_started, {}
+    """Seconds per phase, in order, the total since the process started, and the unix time each phase (last)
+    ended, which lines peers' start-ups up against each other."""
+    previous, phases, ended_at = _process_started, {}, {}
     for phase, ended in _phases:
         phases[phase] = phases.get(phase, 0.0) + ended - previous
+        ended_at[phase] = ended
         previous = ended
     return {
         "phases": {name: round(seconds, 3) for name, seconds in phases.items()},
         "total": previous - _process_started,
+        "ended_at": ended_at,
     }
 
 
