@@ -49,8 +49,8 @@ def test_three_trainers_aux_and_monitor_train_together(tmp_path, tiny_overrides)
     summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in trainers]
     assert [summary["global_steps"] for summary in summaries] == [steps] * 3
     assert report["steps_recorded"] == steps
-    # The trainers leave the start barrier together: one that starts a good part of a step later (up to ~1 s when
-    # the barrier polled every 0.5 s) can miss the first gradient round and put its gradients into the next step's.
+    # The trainers leave the start barrier together: one that starts a good part of a step later can miss the first
+    # gradient round and put its gradients into the next step's.
     barrier_passed = [
         json.loads((tmp_path / name / "startup.json").read_text())["ended_at"]["start barrier"] for name in trainers
     ]
