@@ -57,7 +57,7 @@ def test_three_trainers_aux_and_monitor_train_together(tmp_path, tiny_overrides)
     assert max(barrier_passed) - min(barrier_passed) < 0.5, barrier_passed
     # All three trainers contributed to at least half the steps; the monitor never mixes steps. On 2 shared cores, a
     # trainer now and then pre-schedules its gradient round too late for the others' group and sits out the next step
-    # (6 of 114 steps in the runs in paper_results/core/README.md; 5 or more misses in 8 steps fail this).
+    # (6 of 124 steps in the runs in paper_results/core/README.md; 5 or more misses in 8 steps fail this).
     assert sum(peers == 3 for peers in report["peers_per_step"]) >= steps // 2, report["peers_per_step"]
     history = read_jsonl(tmp_path / "monitor/history.jsonl")
     assert [entry["step"] for entry in history] == list(range(steps))
