@@ -8,6 +8,7 @@ import json
 import pytest
 
 from common.report import build_report, format_report
+from common.startup import STARTUP_FILE
 from common.swarm import LocalSwarm
 from tests.helpers import (
     EQUIVALENCE_OVERRIDES,
@@ -52,7 +53,7 @@ def test_three_trainers_aux_and_monitor_train_together(tmp_path, tiny_overrides)
     # The trainers leave the start barrier together: one that starts a good part of a step later can miss the first
     # gradient round and put its gradients into the next step's.
     barrier_passed = [
-        json.loads((tmp_path / name / "startup.json").read_text())["ended_at"]["start barrier"] for name in trainers
+        json.loads((tmp_path / name / STARTUP_FILE).read_text())["ended_at"]["start barrier"] for name in trainers
     ]
     assert max(barrier_passed) - min(barrier_passed) < 0.5, barrier_passed
     # All three trainers contributed to at least half the steps; the monitor never mixes steps. On 2 shared cores, a
