@@ -39,9 +39,6 @@ diagnostics in common/tools/allreduce.py log its internals, in the benchmark's o
     downloads the whole state and drops its accumulated gradients, where stepping would catch it up (opt-in).
 20. :func:`deliver_whole_streams` -- a p2p stream handler closes right after its last response, and the daemons'
     reset on that close can drop the responses the caller has not read yet (the tail of an all-reduce part).
-21. :func:`one_gradient_round_at_a_time` -- with delayed gradient averaging, the next round forms its group while
-    the previous one still runs, and the previous round's end makes the averager turn the new group's early
-    parts away, so most rounds average only part of the gradient over the whole group.
 """
 
 from __future__ import annotations
@@ -691,40 +688,6 @@ def catch_up_one_step_behind(optimizer: hivemind.Optimizer) -> None:
         return hivemind.Optimizer._should_load_state_from_peers(self)
 
     optimizer._should_load_state_from_peers = types.MethodType(should_load_state_from_peers, optimizer)
-
-
-def one_gradient_round_at_a_time(optimizer: hivemind.Optimizer) -> None:
-    """With delayed gradient averaging, look for the next gradient group only once the previous round has ended.
-
-    A groupmate can send its part of a round before this peer has started that round (the group is formed, this
-    peer's trigger has not come). hivemind's averager then holds the part on one event,
-    ``_pending_groups_registered``, shared by all its rounds: each round clears it when it starts looking for a
-    group and sets it when it registers its group *or ends*. With ``delay_grad_averaging`` (``dpu``) a trainer
-    pre-schedules the next round while the previous one still runs in the background; when that one ends, the event
-    is set, and every early part of the new group is answered BAD_GROUP_ID. The sender and this peer each lose the
-    other's share of that part ("Reducer: received N % of input tensors", "Averaging: received N % results") and
-    apply their own gradient for it. With three ``dpu`` trainers that was about one such round per trainer and step
-    (paper_results/comparison/past_plateau, sixteenth measurement); rounds that never overlap do not have it.
-
-    Should a trainer reach its update without a usable round of its own (none scheduled since the previous round,
-    or the scheduled one failed), it starts one there, where hivemind would apply this trainer's own gradients
-    without averaging; ``dpu``'s wait for the previous delayed update has ended the previous round by then.
-    """
-
-    def maybe_schedule_gradient_averaging(self: hivemind.Optimizer) -> None:
-        previous = self.scheduled_grads
-        if previous is not None and previous.triggered and not previous.done():
-            return  # still averaging the previous step's gradients
-        hivemind.Optimizer._maybe_schedule_gradient_averaging(self)
-
-    def begin_averaging_gradients(self: hivemind.Optimizer, grad_scaler) -> bool:
-        scheduled = self.scheduled_grads
-        if scheduled is not None and (scheduled.triggered or scheduled.done()):
-            self.scheduled_grads = None  # used by the previous step, or failed: this step gets a round of its own
-        return hivemind.Optimizer._begin_averaging_gradients(self, grad_scaler)
-
-    optimizer._maybe_schedule_gradient_averaging = types.MethodType(maybe_schedule_gradient_averaging, optimizer)
-    optimizer._begin_averaging_gradients = types.MethodType(begin_averaging_gradients, optimizer)
 
 
 STREAM_LINGER_SECONDS = 30.0

@@ -23,7 +23,6 @@ from common.hivemind_compat import (
     client_mode_argument,
     grad_buffers_for_scaler,
     keep_inbound_stream_handlers_alive,
-    one_gradient_round_at_a_time,
     read_8bit_tensors_with_numpy_2,
     silence_schedule_fast_forward_warning,
     skip_nonfinite_steps,
@@ -112,6 +111,4 @@ def make_collaborative_optimizer(
     bound_state_downloads(optimizer, collab.load_state_deadline, stop_requested or (lambda: False))
     if collab.catch_up_one_step_behind:
         catch_up_one_step_behind(optimizer)
-    if flags.delay_grad_averaging:
-        one_gradient_round_at_a_time(optimizer)
     return optimizer
