@@ -110,8 +110,11 @@ def main() -> None:
             trainer_names, timeout=args.timeout, on_tick=show_progress, tick_seconds=15, should_stop=stop.is_set
         )
         finished = not any(swarm.peers[name].alive() for name in trainer_names)
-        if not finished:
-            logger.warning("stopping before the trainers finished (signal or --timeout)")
+        timed_out = not finished and not stop.is_set()
+        if timed_out:
+            logger.error(f"the trainers did not finish within --timeout {args.timeout:.0f} s; stopping the swarm")
+        elif not finished:
+            logger.warning(f"stopping before the trainers finished ({stop.signal_name})")
         swarm.stop_many(trainer_names)
         time.sleep(2 * config.monitor.refresh_seconds + 1)  # let the monitor record the last steps
         swarm.stop_many([name for name in swarm.peers if name not in trainer_names])
@@ -125,6 +128,8 @@ def main() -> None:
     logger.info(f"loss curve: {output / 'loss_curve.png'}")
     if failed:
         logger.warning(f"peers that exited with errors: {failed} (see <run>/<peer>/peer.log)")
+    if timed_out:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,7 @@ def launch_command(setup: Setup, config_path: str, overrides: Sequence[str], run
         "0",
         "--output",
         str(run_dir),
+        "--timeout=inf",  # the comparison's own --timeout is the one limit: it stops the setup and says so
         *overrides,
         "training.backend=collaborative",
         f"collaboration.semantics={setup.semantics}",

@@ -18,6 +18,7 @@ from tests.helpers import (
     degraded_rounds,
     differences_from_replay,
     read_jsonl,
+    run_script,
     run_trainers,
     swarm_overrides,
 )
@@ -92,3 +93,30 @@ def test_sync_collaboration_equals_single_process_on_the_same_samples(tmp_path, 
     differences = differences_from_replay(TINY, tmp_path, overrides, trainers, steps)
     degraded = degraded_rounds([tmp_path / name for name in trainers])
     assert max(differences) < 1e-5 and not degraded, (differences, degraded)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_swarm_launcher_fails_when_its_trainers_outlast_its_timeout(tmp_path, tiny_overrides):
+    """A run cut short by ``--timeout`` must not look finished to whoever reads the exit code (a script, a CI)."""
+    result = run_script(
+        "scripts/local_swarm.py",
+        "--config",
+        TINY,
+        "--trainers",
+        "1",
+        "--aux",
+        "0",
+        "--output",
+        str(tmp_path),
+        "--timeout",
+        "5",
+        *tiny_overrides,
+        "training.max_global_steps=100000",
+        timeout=240,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "did not finish within --timeout 5 s" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "summary.json").is_file()  # the report of the steps it reached is still written
+    assert_no_processes_left(tmp_path)
