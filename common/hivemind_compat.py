@@ -39,6 +39,9 @@ diagnostics in common/tools/allreduce.py log its internals, in the benchmark's o
     downloads the whole state and drops its accumulated gradients, where stepping would catch it up (opt-in).
 20. :func:`deliver_whole_streams` -- a p2p stream handler closes right after its last response, and the daemons'
     reset on that close can drop the responses the caller has not read yet (the tail of an all-reduce part).
+21. :func:`gradient_rounds_start_at_the_update` -- with delayed gradient averaging, the next round forms its group
+    while the previous one still runs, and the previous round's end makes the averager turn the new group's early
+    parts away, so most rounds average only part of the gradient over the whole group.
 """
 
 from __future__ import annotations
@@ -688,6 +691,44 @@ def catch_up_one_step_behind(optimizer: hivemind.Optimizer) -> None:
         return hivemind.Optimizer._should_load_state_from_peers(self)
 
     optimizer._should_load_state_from_peers = types.MethodType(should_load_state_from_peers, optimizer)
+
+
+def gradient_rounds_start_at_the_update(optimizer: hivemind.Optimizer) -> None:
+    """With delayed gradient averaging, start each gradient round at the trainer's update, never before it.
+
+    A groupmate can send its part of a round before this peer has started that round (the group is formed, this
+    peer's trigger has not come). hivemind's averager then holds the part on one event,
+    ``_pending_groups_registered``, shared by all its rounds: each round clears it when it starts looking for a
+    group and sets it when it registers its group *or ends*. With ``delay_grad_averaging`` (``dpu``) a trainer
+    pre-schedules the next round while the previous one still runs in the background; when that one ends, the event
+    is set, and every early part of the new group is answered BAD_GROUP_ID. The sender and this peer each lose the
+    other's share of that part ("Reducer: received N % of input tensors", "Averaging: received N % results") and
+    apply their own gradient for it: with three ``dpu`` trainers about one such round per trainer and step.
+
+    Holding the next round back only while the previous one runs is not enough: whether a trainer then
+    pre-schedules depends on how long its previous round took, so some trainers pre-schedule and others start at
+    the update, and pre-scheduled pairs form groups without the third. Here no trainer pre-schedules: ``dpu``'s
+    update first waits for the previous delayed update (so the previous round has ended), then starts a round, and
+    every trainer does the same within a fraction of a second of the others, well inside the matchmaking time.
+    Matchmaking no longer overlaps the last micro-batches, which costs nothing under ``dpu``: the round runs in the
+    background during the next step either way. (paper_results/comparison/past_plateau, seventeenth measurement.)
+
+    Without this, hivemind also starts no round at all when the only control it holds at an update is the previous
+    step's (or one that failed): it applies the trainer's own gradients as if they were the swarm's average, logging
+    "Not using pre-scheduled group for state averaging". Here that control is dropped and a round starts.
+    """
+
+    def maybe_schedule_gradient_averaging(self: hivemind.Optimizer) -> None:
+        """Pre-schedule nothing: the round starts at the update."""
+
+    def begin_averaging_gradients(self: hivemind.Optimizer, grad_scaler) -> bool:
+        scheduled = self.scheduled_grads
+        if scheduled is not None and (scheduled.triggered or scheduled.done()):
+            self.scheduled_grads = None  # the previous step's round, or a failed one: this step gets its own
+        return hivemind.Optimizer._begin_averaging_gradients(self, grad_scaler)
+
+    optimizer._maybe_schedule_gradient_averaging = types.MethodType(maybe_schedule_gradient_averaging, optimizer)
+    optimizer._begin_averaging_gradients = types.MethodType(begin_averaging_gradients, optimizer)
 
 
 STREAM_LINGER_SECONDS = 30.0

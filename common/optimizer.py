@@ -22,6 +22,7 @@ from common.hivemind_compat import (
     catch_up_one_step_behind,
     client_mode_argument,
     grad_buffers_for_scaler,
+    gradient_rounds_start_at_the_update,
     keep_inbound_stream_handlers_alive,
     read_8bit_tensors_with_numpy_2,
     silence_schedule_fast_forward_warning,
@@ -111,4 +112,6 @@ def make_collaborative_optimizer(
     bound_state_downloads(optimizer, collab.load_state_deadline, stop_requested or (lambda: False))
     if collab.catch_up_one_step_behind:
         catch_up_one_step_behind(optimizer)
+    if flags.delay_grad_averaging:
+        gradient_rounds_start_at_the_update(optimizer)
     return optimizer
