@@ -21,6 +21,7 @@ import pytest
 
 from common.identity import load_identity
 from common.peer import JOIN_COMMAND_FILE, RESOLVED_CONFIG_FILE
+from common.startup import STARTUP_FILE
 from common.tools.netns import EmulatedNetwork, HostSpec
 from tests.helpers import ROOT, needs_network_namespaces, read_jsonl
 
@@ -175,7 +176,7 @@ def test_volunteers_pasting_the_printed_command_on_other_hosts_are_two_contribut
                 "shared_micro_batches": len(first & second),
                 "leaderboard_rows": len(board),
                 "startup_seconds": {
-                    name: json.loads((tmp_path / name / "startup.json").read_text())["total"] for name in volunteers
+                    name: json.loads((tmp_path / name / STARTUP_FILE).read_text())["total"] for name in volunteers
                 },
             }
         )
