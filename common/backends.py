@@ -14,6 +14,7 @@ import abc
 import contextlib
 import hashlib
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -98,6 +99,10 @@ class TrainingBackend(abc.ABC):
     def finalize(self, wait: bool = True) -> None:
         """Make the model hold the run's final parameters (collaborative: apply the last state averaging).
         ``wait=False``: the peer was stopped by a signal; do not wait for a round still in progress."""
+
+    def average_final_parameters(self) -> None:
+        """The run is over: end with the same parameters as the trainers that finish with this one (collaborative
+        backends only; the others' workers end identical)."""
 
     def recover_from_nonfinite_parameters(self) -> None:
         """Parameters became NaN/Inf after a step. Without peers to restore from, stop with a clear error."""
@@ -380,6 +385,29 @@ class CollaborativeBackend(TrainingBackend):
         # by a signal applies that round only if it already finished: its partners are usually being stopped too, so
         # the round will find no group (hivemind's Optimizer.shutdown still waits for it, up to averaging_timeout)
         self.optimizer.state_averager.step(wait_for_delayed_updates=wait, apply_delayed_updates=True)
+
+    def average_final_parameters(self) -> None:
+        # hivemind's group keys carry no step, so a trainer's last rounds can join the others' rounds for the previous
+        # step and it ends one update apart from them; mid-run the next parameter round pulls trainers together, at
+        # the end only this one does. The group forms when the first finisher's wait ends: later finishers join it
+        seconds = self.collab.final_averaging_seconds
+        if seconds <= 0 or self.optimizer.tracker.global_progress.num_peers <= 1:
+            return
+        logger.info(f"averaging the final parameters with the trainers that finish now (up to {seconds:g} s)")
+        averager = self.optimizer.state_averager
+        control = averager.schedule_step(
+            scheduled_time=get_dht_time() + seconds, timeout=seconds + self.collab.averaging_timeout
+        )
+        # partners that already left leave no group to find: hivemind would look on until the timeout and then log
+        # an error with a traceback, so give up quietly once a group would have formed
+        give_up = threading.Timer(
+            seconds + self.collab.matchmaking_time, lambda: control.began_allreduce or control.cancel()
+        )
+        give_up.start()
+        try:
+            averager.step(averaging_round=True, averaging_control=control)
+        finally:
+            give_up.cancel()
 
     def shutdown(self) -> None:
         # the last step's record is stored in the background; without waiting, a trainer that exits right after

@@ -116,6 +116,10 @@ class CollaborationConfig:
     # a peer that cannot download the swarm's state (joining, or after falling behind) retries with backoff and
     # stops with one line after this many seconds in all
     load_state_deadline: float = 300.0
+    # a trainer that reaches training.max_global_steps averages its parameters with the others once more, waiting
+    # up to this long for them (0: never): otherwise a trainer whose last rounds joined the others' previous step
+    # ends one update apart from them. Give it more than the gap between trainers' last updates (up to a step)
+    final_averaging_seconds: float = 10.0
     expected_peers: int = 1  # start barrier: trainers wait until this many trainers report progress
     start_barrier_timeout: float = 120.0
     # run reports call trainers' final parameters "the same" within this (max absolute element difference);
@@ -142,6 +146,7 @@ class CollaborationConfig:
         require(self.average_state_every >= 1, "collaboration.average_state_every must be >= 1")
         require(self.load_state_timeout > 0, "collaboration.load_state_timeout must be > 0")
         require(self.load_state_deadline > 0, "collaboration.load_state_deadline must be > 0")
+        require(self.final_averaging_seconds >= 0, "collaboration.final_averaging_seconds must be >= 0")
         require(self.expected_peers >= 1, "collaboration.expected_peers must be >= 1")
         require(self.agreement_tolerance > 0, "collaboration.agreement_tolerance must be > 0")
 

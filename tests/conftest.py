@@ -26,6 +26,7 @@ def tiny_overrides(tmp_path):
         "training.log_every_seconds=5",
         "collaboration.matchmaking_time=1.5",
         "collaboration.averaging_timeout=20",
+        "collaboration.final_averaging_seconds=3",
         "task.max_documents=3000",
     ]
 

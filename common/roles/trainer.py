@@ -171,6 +171,8 @@ def run_trainer(
         )
         summary = trainer.run()
         backend.finalize(wait=not stop.is_set())
+        if summary.stopped_by == "max_global_steps":
+            backend.average_final_parameters()
         torch.save(task.model.state_dict(), output_dir / FINAL_STATE_FILE)
         (output_dir / SUMMARY_FILE).write_text(json.dumps(summary.to_json(), indent=2))
         export_final_model(config, task, trainer, summary, output_dir / EXPORT_DIR)

@@ -71,6 +71,10 @@ def test_three_trainers_aux_and_monitor_train_together(tmp_path, tiny_overrides)
     assert all(count >= steps // 2 for count in averaged.values()), averaged
     assert report["max_param_diff"] < FP16_TOLERANCE and report["params_agree"]
     assert f"(same within {FP16_TOLERANCE:.1e})" in format_report(report)
+    finals = {
+        name: (tmp_path / name / "peer.log").read_text().count("averaging the final parameters") for name in trainers
+    }
+    assert finals == {name: 1 for name in trainers}, finals
 
 
 @pytest.mark.slow
