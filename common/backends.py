@@ -398,10 +398,11 @@ class CollaborativeBackend(TrainingBackend):
         control = averager.schedule_step(
             scheduled_time=get_dht_time() + seconds, timeout=seconds + self.collab.averaging_timeout
         )
-        # partners that already left leave no group to find: hivemind would look on until the timeout and then log
-        # an error with a traceback, so give up quietly once a group would have formed
+        # partners that already left leave no group to find: hivemind would look on until the round's timeout and
+        # then log an error with a traceback, so give up quietly halfway there (joining late, on a busy machine,
+        # can take a few seconds past the scheduled time)
         give_up = threading.Timer(
-            seconds + self.collab.matchmaking_time, lambda: control.began_allreduce or control.cancel()
+            seconds + self.collab.averaging_timeout / 2, lambda: control.began_allreduce or control.cancel()
         )
         give_up.start()
         try:
