@@ -123,7 +123,7 @@ def test_paper_config_builds_resnet50_and_takes_one_step():
     assert [(layer.in_features, layer.out_features) for layer in head] == [(2048, 2048), (2048, 128)]
     assert any(isinstance(layer, torch.nn.BatchNorm1d) for layer in model.projection_head.layers)
     assert model.prototypes.weight.shape == (3000, 128)
-    assert task.config.queue_length == 3840 and task.config.freeze_prototypes_steps == 5005
+    assert task.config.queue_length == 3840
     assert sum(param.numel() for param in model.trunk.parameters()) == 23_508_032  # torchvision ResNet-50 trunk
 
     backend = SingleProcessBackend(task, target_batch_size=2)
@@ -141,8 +141,26 @@ def test_paper_config_builds_resnet50_and_takes_one_step():
     assert any(name.startswith("trunk.") for name in changed) and any(
         name.startswith("projection_head.") for name in changed
     )
-    # prototypes are frozen for the first 5005 global steps: only weight decay's radial shrink, undone by normalising
+    # prototypes are frozen for the first epoch of global steps: only weight decay's radial shrink, undone by
+    # normalising
     assert torch.allclose(model.prototypes.weight, before["prototypes.layer.weight"], atol=1e-6)
+
+
+IMAGENET_TRAIN_IMAGES = 1_281_167
+
+
+def test_paper_freezes_prototypes_for_one_epoch_of_global_steps():
+    """SwAV freezes the prototypes for one epoch (5005 iterations at batch 256, 313 at 4096). In global steps of the
+    swarm's target batch that is ceil(ImageNet / target), whatever the number of peers."""
+    config = load_config(PAPER)
+    epoch = math.ceil(IMAGENET_TRAIN_IMAGES / config.collaboration.target_batch_size)
+    assert config.task.freeze_prototypes_steps == epoch == 40
+    assert config.task.freeze_prototypes_steps < config.task.warmup_steps < config.task.total_steps
+    # the authors' command: warmup 500 of 5,000 global steps, 64 samples per micro-batch
+    assert (config.task.warmup_steps, config.task.total_steps) == (500, 5000)
+    assert config.training.max_global_steps == config.task.total_steps
+    assert config.training.local_batch_size == 64
+    assert config.training.dataloader_workers > 0  # multi-crop must not run on the training thread of a GPU peer
 
 
 def test_task_loss_matches_direct_computation():
