@@ -26,6 +26,9 @@ from common.precision import autocast
 from common.task import SAMPLE_IDS, Task
 
 logger = logging.getLogger(__name__)
+# An accelerator peer whose loop spends more than this share of its time waiting for the next micro-batch is
+# input-bound: the trainer says so at each progress line.
+DATA_WAIT_WARNING_SHARE = 0.2
 
 
 @dataclass
@@ -114,9 +117,13 @@ class Trainer:
         checkpoint_every_steps: int = 0,
         keep_checkpoints: int = 3,
         stop: Optional[StopFlag] = None,
+        data_wait_warning_share: Optional[float] = None,
     ):
         """``precision``: resolved (fp32, fp16 or bf16); the backend holds fp16's loss scaler.
-        ``checkpoint_every_steps``: baselines save ``backend.checkpoint_state()`` to ``checkpoint_dir``."""
+        ``checkpoint_every_steps``: baselines save ``backend.checkpoint_state()`` to ``checkpoint_dir``.
+        ``data_wait_warning_share``: warn when the loop waits for batches longer than this share of its time; None:
+        ``DATA_WAIT_WARNING_SHARE`` on an accelerator, never on a CPU (there batches and the model share the cores,
+        so more loader workers would only move the work)."""
         self.task, self.backend, self.peer_name = task, backend, peer_name
         self.stream_seed, self.max_global_steps, self.max_wall_seconds = (
             stream_seed,
@@ -130,6 +137,10 @@ class Trainer:
         self.dataloader_workers = dataloader_workers
         self.checkpoint_dir, self.checkpoint_every_steps = checkpoint_dir, checkpoint_every_steps
         self.keep_checkpoints = keep_checkpoints
+        if data_wait_warning_share is None and device.type != "cpu":
+            data_wait_warning_share = DATA_WAIT_WARNING_SHARE
+        self.data_wait_warning_share = data_wait_warning_share
+        self.data_wait_seconds = 0.0  # since the last progress line
         self.records: List[StepRecord] = []
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.steps_log = self.output_dir / "steps.jsonl"
@@ -180,8 +191,10 @@ class Trainer:
             if accumulator.step != self.backend.global_step:  # state was reloaded from peers: start afresh
                 accumulator = StepAccumulator(step=self.backend.global_step)
 
+            waited = time.perf_counter()
             batch = next(batches)
             tick = time.perf_counter()
+            self.data_wait_seconds += tick - waited
             sample_ids = batch.get(SAMPLE_IDS)
             batch = {name: value.to(self.device, non_blocking=True) for name, value in batch.items()}
             micro_batches_seen += 1
@@ -234,6 +247,7 @@ class Trainer:
 
             now = time.time()
             if now - last_log >= self.log_every_seconds:
+                self._warn_if_waiting_on_data(now - last_log)
                 last_log = now
                 self._log_progress(started, samples_total)
 
@@ -254,6 +268,15 @@ class Trainer:
             f"{summary.samples_per_second:.1f} samples/s"
         )
         return summary
+
+    def _warn_if_waiting_on_data(self, window_seconds: float) -> None:
+        share = self.data_wait_seconds / max(window_seconds, 1e-9)
+        self.data_wait_seconds = 0.0
+        if self.data_wait_warning_share is not None and share > self.data_wait_warning_share:
+            logger.warning(
+                f"the loop waited for input batches {share:.0%} of the last {window_seconds:.0f} s: raise "
+                f"training.dataloader_workers (now {self.dataloader_workers}) if this machine has idle cores"
+            )
 
     def _log_progress(self, started: float, samples_total: int) -> None:
         step = self.backend.global_step

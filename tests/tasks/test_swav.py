@@ -4,6 +4,7 @@ the global-step queue switch, the schedule, single-process training, linear eval
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -270,6 +271,31 @@ def test_single_backend_training_lowers_the_loss(tmp_path):
     losses = [record["loss"] for record in read_jsonl(tmp_path / "steps.jsonl")]
     assert len(losses) == 14
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.1, losses
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threshold, warns", [(0.01, True), (1.0, False)])
+def test_trainer_warns_when_the_loop_waits_on_multi_crop(tmp_path, caplog, threshold, warns):
+    """Multi-crop built on the training thread (no loader workers) is time the model waits: above the share it
+    tolerates, the progress line comes with one WARNING naming training.dataloader_workers."""
+    task = tiny_task("task.queue_length=0")
+    trainer = Trainer(
+        task,
+        SingleProcessBackend(task, target_batch_size=16),
+        peer_name="single",
+        stream_seed=0,
+        max_global_steps=3,
+        max_wall_seconds=60,
+        output_dir=tmp_path,
+        device=torch.device("cpu"),
+        log_every_seconds=0,
+        data_wait_warning_share=threshold,
+    )
+    with caplog.at_level(logging.WARNING, logger="common.trainer"):
+        trainer.run()
+    warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert bool(warnings) == warns, warnings
+    assert all("training.dataloader_workers (now 0)" in message for message in warnings)
 
 
 def test_knn_votes_for_nearest_labels():
