@@ -17,7 +17,6 @@ from albert.sahajbert.data import BENGALI_STREAM, StreamConfig, bengali_tokenize
 from albert.tokenizer import TOKENIZER_FORMAT_VERSION, load_or_train_tokenizer
 from common.config import RunConfig, require
 from common.errors import DataError
-from common.hivemind_compat import prefill_optimizer_state
 from common.seeding import stable_seed
 from common.task import Batch, DatasetTask, ExportFacts, StepOutput
 from common.timm_optim import timm_optimizer
@@ -154,11 +153,7 @@ class AlbertTask(DatasetTask):
             bias_correction=True,
             always_adapt=True,
         )
-        # timm keeps LAMB's step counter per group and creates it at the first step; a late joiner's fresh
-        # optimizer must already have it, or hivemind cannot load a peer's state into it (mismatched layout).
-        for group in optimizer.param_groups:
-            group.setdefault("step", torch.zeros((), dtype=torch.float32))
-        return prefill_optimizer_state(optimizer, ("exp_avg", "exp_avg_sq"))
+        return optimizer
 
     def make_scheduler(self, optimizer: torch.optim.Optimizer):
         return get_linear_schedule_with_warmup(optimizer, self.config.warmup_steps, self.config.total_steps)

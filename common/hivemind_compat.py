@@ -4,7 +4,6 @@ Upgrading hivemind means re-checking exactly this file: each function names what
 why the project cannot take it as it is. Nothing else in the core patches hivemind (the averaging benchmark's
 diagnostics in common/tools/allreduce.py log its internals, in the benchmark's own processes only).
 
-1. :func:`prefill_optimizer_state` -- hivemind creates missing optimizer state with a virtual zero-gradient step.
 2. :func:`skip_nonfinite_steps` -- a partial all-reduce can average to NaN/Inf.
 3. :func:`count_state_reloads` -- ``Optimizer.step`` silently reloads state and drops accumulated gradients.
 4. :func:`restart_throughput_timer` -- the throughput estimate counts time spent before training started.
@@ -52,7 +51,7 @@ import time
 import traceback
 import types
 import warnings
-from typing import Callable, Sequence
+from typing import Callable
 
 import hivemind
 import numpy as np
@@ -64,22 +63,6 @@ from common.errors import PeerError
 
 PINNED_VERSION = "1.1.12"
 logger = logging.getLogger(__name__)
-
-
-def prefill_optimizer_state(optimizer: torch.optim.Optimizer, state_names: Sequence[str]) -> torch.optim.Optimizer:
-    """Create the optimizer's per-parameter state as zeros, exactly as its first step would.
-
-    hivemind runs a virtual optimizer step with zero gradients (at the base learning rate, before the
-    scheduler exists) to create missing state; with weight decay that step shrinks the weights and it
-    advances the step counter, so collaborative training would no longer equal plain training. A task's
-    ``make_optimizer`` calls this so that no backend ever takes such a step.
-    """
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state[param]
-            for name in state_names:
-                state.setdefault(name, torch.zeros_like(param, memory_format=torch.preserve_format))
-    return optimizer
 
 
 def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import hivemind
+import torch
 from hivemind.compression import (
     BlockwiseQuantization,
     CompressionBase,
@@ -15,6 +17,7 @@ from hivemind.compression import (
     ScaledFloat16Compression,
     Uniform8BitQuantization,
 )
+from hivemind.optim.grad_averager import GradientAverager
 
 from common.config import CollaborationConfig, Compression, Semantics
 from common.hivemind_compat import (
@@ -32,6 +35,49 @@ from common.hivemind_compat import (
 from common.task import Task
 
 logger = logging.getLogger(__name__)
+
+
+def prefill_optimizer_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Create ``optimizer``'s state exactly as it stands before its first real step, for any torch optimizer.
+
+    hivemind needs every optimizer statistic to exist before training (it averages and serves them as tensors).
+    Left alone, it creates them with one virtual step on zero gradients, at the base learning rate: with weight
+    decay that step shrinks the weights, and it advances the step counters, so a swarm would no longer match one
+    process. Here the same zero-gradient step runs without weight decay, then the parameters are restored bit for bit
+    and every step counter (``step`` in a parameter's state or a param group, e.g. torch's AdamW, timm's LAMB) is set
+    back to zero, which is what the optimizer's own first step would find. An optimizer that keeps no state (SGD
+    without momentum) is left as it is. Exact for every optimizer whose first step treats zero statistics like
+    missing ones (Adam/AdamW, LAMB, LARS and SGD with momentum but no dampening).
+    """
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    saved_params = [param.detach().clone() for param in params]
+    saved_grads = [param.grad for param in params]
+    saved_groups = [dict(group) for group in optimizer.param_groups]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    for group in optimizer.param_groups:
+        if "weight_decay" in group:  # torch's SGD and Adam fold decay into the gradient, and so into their state
+            group["weight_decay"] = 0.0
+    optimizer.step()
+    with torch.no_grad():
+        for param, saved, grad in zip(params, saved_params, saved_grads):
+            param.copy_(saved)
+            param.grad = grad
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        for key in list(group):
+            if key == "step":
+                group[key] = _zero_counter(group[key])
+            elif key in saved:
+                group[key] = saved[key]
+    for param in params:
+        state = optimizer.state.get(param)
+        if state and "step" in state:
+            state["step"] = _zero_counter(state["step"])
+    return optimizer
+
+
+def _zero_counter(counter):
+    return torch.zeros_like(counter) if isinstance(counter, torch.Tensor) else type(counter)(0)
 
 
 def make_compression(kind: Compression) -> CompressionBase:
@@ -79,7 +125,12 @@ def make_collaborative_optimizer(
     after ``collab.load_state_deadline`` seconds; ``stop_requested`` (the stop flag) cuts their retries short."""
     flags = SEMANTICS[collab.semantics]
     compression = make_compression(collab.compression)
-    averager_opts = {"bandwidth": collab.bandwidth} if collab.bandwidth is not None else {}
+    # the state is prefilled (prefill_optimizer_state), so hivemind's own virtual zero-gradient step and its log line
+    # must not run
+    state_averager_opts = {"initialize_optimizer": False, "bandwidth": collab.bandwidth}
+    # hivemind 1.1.12 hands averager_opts to the state averager only: the declared bandwidth reaches the gradient
+    # averager, whose rounds it load-balances, through the factory.
+    grad_averager_factory = functools.partial(GradientAverager, bandwidth=collab.bandwidth)
     silence_schedule_fast_forward_warning()
     stream_results_to_zero_share_full_peers()  # before the averagers' processes are forked
     keep_inbound_stream_handlers_alive()
@@ -90,7 +141,7 @@ def make_collaborative_optimizer(
         target_batch_size=collab.target_batch_size,
         batch_size_per_step=None if auxiliary else local_batch_size,
         params=task.optimizer_param_groups(),
-        optimizer=lambda params: skip_nonfinite_steps(task.make_optimizer(params)),
+        optimizer=lambda params: skip_nonfinite_steps(prefill_optimizer_state(task.make_optimizer(params))),
         scheduler=task.make_scheduler,
         matchmaking_time=collab.matchmaking_time,
         averaging_timeout=collab.averaging_timeout,
@@ -105,7 +156,8 @@ def make_collaborative_optimizer(
         client_mode=client_mode_argument(dht),
         grad_compression=compression,
         state_averaging_compression=compression,
-        averager_opts=averager_opts,
+        averager_opts=state_averager_opts,
+        grad_averager_factory=grad_averager_factory,
         tracker_opts={"min_refresh_period": 0.2, "default_refresh_period": 1.0},
         verbose=True,  # status lines at INFO; common.lifecycle.setup_logging decides which loggers show them
     )

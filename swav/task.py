@@ -18,7 +18,6 @@ from timm.optim import Lars
 
 from common.config import RunConfig, require
 from common.errors import ConfigError
-from common.hivemind_compat import prefill_optimizer_state
 from common.task import Batch, DatasetTask, StepOutput
 from swav.data import FASHION_MNIST, FASHION_MNIST_DIR, MultiCropDataset, MultiCropSpec, crop_key, open_images
 from swav.model import RESNET50, SMALL_RESNET, SwavModel
@@ -192,7 +191,7 @@ class SwavTask(DatasetTask):
         # timm's Lars with trust_clip=False and always_adapt=True is apex's LARC(clip=False) around SGD, which
         # the SwAV code uses: weight decay is added to the gradient, then every tensor's update is scaled by
         # trust * |w| / (|g| + wd |w|) before SGD momentum.
-        optimizer = Lars(
+        return Lars(
             params,
             lr=self.config.base_lr,
             momentum=self.config.momentum,
@@ -201,9 +200,6 @@ class SwavTask(DatasetTask):
             trust_clip=False,
             always_adapt=True,
         )
-        # A zero momentum buffer gives exactly the first step's clone(grad); with it present, hivemind skips its
-        # virtual zero-gradient step, which here would move weights by lr x trust / wd x wd x w = 2.4e-3 w.
-        return prefill_optimizer_state(optimizer, ("momentum_buffer",))
 
     def make_scheduler(self, optimizer: torch.optim.Optimizer):
         base_lr = self.config.base_lr
