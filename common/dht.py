@@ -164,6 +164,9 @@ def _address_kind(address: str) -> str:
     return "routable"  # a DNS name: the announcer chose it for others to use
 
 
+VOLUNTEER_PYTHON = ".venv/bin/python"  # what scripts/setup_env.sh creates in every clone
+
+
 def join_command(
     addresses: Sequence[str],
     script: str,
@@ -171,10 +174,10 @@ def join_command(
     overrides: Sequence[str] = (),
     auth_server: Optional[str] = None,
 ) -> str:
-    """The command a volunteer on another machine pastes to join: ``python`` (theirs, not ours), a config path
-    inside the repository, the run-defining overrides the organiser used, and (in a moderated run) the
-    authorization server."""
-    parts = ["python", script, "--config", config_path]
+    """The command a volunteer on another machine pastes to join, from the root of their clone after
+    ``bash scripts/setup_env.sh``: the clone's ``.venv`` Python, a config path inside the repository, the
+    run-defining overrides the organiser used, and (in a moderated run) the authorization server."""
+    parts = [VOLUNTEER_PYTHON, script, "--config", config_path]
     if auth_server is not None:
         parts += ["--auth-server", auth_server]
     parts += ["--initial-peers", *addresses, *overrides]

@@ -22,6 +22,15 @@ if [ "$(cat "$VENV/.requirements.sha256" 2>/dev/null)" != "$wanted" ]; then
     || { log "error: the Python requirements did not install"; exit 1; }
   echo "$wanted" > "$VENV/.requirements.sha256"
 fi
+# The repository itself, editable: `common`, `albert`, `swav` and `template` import from any folder and script.
+# Re-installed when the checkout moves, pyproject.toml changes or a top-level package is added.
+layout=$( (echo "$ROOT"; cat "$ROOT/pyproject.toml"; cd "$ROOT" && ls -d */__init__.py) | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$VENV/.editable.sha256" 2>/dev/null)" != "$layout" ]; then
+  log "installing this repository into the environment (editable)"
+  "$VENV/bin/pip" install --disable-pip-version-check -q --no-deps --no-build-isolation -e "$ROOT" >&2 \
+    || { log "error: pip install -e . failed"; exit 1; }
+  echo "$layout" > "$VENV/.editable.sha256"
+fi
 
 # Debian packages that carry real data: Fashion-MNIST (SwAV) and Bengali word lists (sahajBERT); a headless
 # browser (chromium) that the dashboard's test opens the monitor's live page in.

@@ -40,8 +40,8 @@ ORGANISER_OVERRIDES = [  # a small, fast run; the run-defining ones reach volunt
 
 
 def _start(prefix: list, command: str, log: Path) -> subprocess.Popen:
-    """Run a shell command line on an emulated host, as a user types it (``python`` is the first on PATH)."""
-    env = {**os.environ, "PATH": f"{ROOT / '.venv/bin'}:{os.environ.get('PATH', '')}"}
+    """Run a shell command line on an emulated host, as a user types it in the root of their clone."""
+    env = dict(os.environ)
     with log.open("wb") as handle:
         return subprocess.Popen(
             [*prefix, "sh", "-c", f"exec {command}"],  # exec: signals reach python, its exit code is ours
@@ -94,7 +94,7 @@ def test_volunteers_pasting_the_printed_command_on_other_hosts_are_two_contribut
         monitor = _start(
             network.command_prefix(0),
             shlex.join(
-                ["python", "scripts/monitor.py", "--config", "configs/albert/tiny.yaml"]
+                [".venv/bin/python", "scripts/monitor.py", "--config", "configs/albert/tiny.yaml"]
                 + [f"training.output_dir={monitor_dir}", *ORGANISER_OVERRIDES]
             ),
             monitor_log,
@@ -103,7 +103,7 @@ def test_volunteers_pasting_the_printed_command_on_other_hosts_are_two_contribut
         try:
             printed = _wait_for_file(monitor_dir / JOIN_COMMAND_FILE, monitor, monitor_log, timeout=180)
             assert printed.startswith(
-                "python scripts/train.py --config configs/albert/tiny.yaml --initial-peers /ip4/"
+                ".venv/bin/python scripts/train.py --config configs/albert/tiny.yaml --initial-peers /ip4/"
             )
             assert "127.0.0.1" not in printed and network.host_ip(0) in printed, printed
             for index, name in ((1, "volunteer1"), (2, "volunteer2")):
