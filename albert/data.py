@@ -3,13 +3,9 @@ token tensors (cached), plus masked-LM corruption that is deterministic per (see
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Iterator, List, Sequence, Tuple
 
 import torch
@@ -17,6 +13,8 @@ from tqdm import tqdm
 
 from common.seeding import stable_seed
 from common.task import SAMPLE_IDS, Batch
+from common.text.blocks import shuffled_plan
+from common.text.cache import cache_key, load_or_build_examples  # noqa: F401  (ALBERT's callers import them here)
 
 if TYPE_CHECKING:
     from nltk.tokenize.punkt import PunktSentenceTokenizer
@@ -126,23 +124,6 @@ def special_ids(tokenizer) -> SpecialIds:
     )
 
 
-def cache_key(*parts: object) -> str:
-    return hashlib.blake2b(json.dumps([str(part) for part in parts]).encode(), digest_size=8).hexdigest()
-
-
-def load_or_build_examples(path: Path, build) -> Dict[str, torch.Tensor]:
-    if path.exists():
-        return torch.load(path)
-    examples = build()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # one temporary file per process: peers building the same cache at once each rename their own, atomically,
-    # so none reads a half-written cache and none finds its temporary file already renamed by another
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(examples, temporary)
-    temporary.replace(path)
-    return examples
-
-
 def mask_tokens(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -201,14 +182,7 @@ class SopDataset:
     ) -> Iterator[Tuple[List[int], int]]:
         """Endless (sample ids, pass) of micro-batches over ``sample_ids`` (default: all), reshuffled each pass by
         ``stream_seed``."""
-        pool = torch.as_tensor(list(sample_ids) if sample_ids is not None else range(len(self)), dtype=torch.long)
-        pass_index = 0
-        while True:
-            generator = torch.Generator().manual_seed(stable_seed(stream_seed, "order", pass_index))
-            order = pool[torch.randperm(len(pool), generator=generator)]
-            for start in range(0, len(order) - batch_size + 1, batch_size):  # equal micro-batches only
-                yield order[start : start + batch_size].tolist(), pass_index
-            pass_index += 1
+        return shuffled_plan(len(self), stream_seed, batch_size, sample_ids)
 
     def stream(self, stream_seed: int, batch_size: int, sample_ids: Sequence[int] | None = None) -> Iterator[Batch]:
         """Endless micro-batches, in ``plan``'s order."""

@@ -1,4 +1,4 @@
-"""Text corpora as lists of documents: the offline English Wikipedia, WikiText-103, local files."""
+"""Text corpora as lists of documents: the offline English Wikipedia, WikiText-103, local files, hub datasets."""
 
 from __future__ import annotations
 
