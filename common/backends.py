@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -28,7 +28,7 @@ from hivemind.utils import get_dht_time
 
 from common.config import CollaborationConfig
 from common.errors import ConfigError, PeerError, UserError
-from common.hivemind_compat import count_state_reloads, restart_throughput_timer
+from common.hivemind_compat import count_state_reloads, restart_throughput_timer, software_fingerprint
 from common.metrics import RECENT_STEPS_KEPT, HistoryWriter, PeerMetrics, StepRecord, aggregate_step, metrics_key
 from common.precision import needs_loss_scaling
 from common.task import Task
@@ -321,6 +321,7 @@ class CollaborativeBackend(TrainingBackend):
             recent=records[-RECENT_STEPS_KEPT:],
             model_fingerprint=self.fingerprints.model,
             input_fingerprint=self.fingerprints.inputs,
+            software_fingerprint=self.fingerprints.software,
         )
         self.last_publish = self.dht.store(
             key=metrics_key(self.collab.run_id),
@@ -425,10 +426,12 @@ class CollaborativeBackend(TrainingBackend):
 @dataclass(frozen=True)
 class RunFingerprints:
     """What hivemind silently assumes every trainer of a run shares: the model's parameter layout (names, shapes,
-    dtypes) and the meaning of its inputs (``Task.input_fingerprint``)."""
+    dtypes), the meaning of its inputs (``Task.input_fingerprint``) and the software that averages (hivemind's
+    release and our patches over it, some of which change what goes over the wire)."""
 
     model: str
     inputs: str = ""
+    software: str = field(default_factory=software_fingerprint)
 
     @classmethod
     def of(cls, task: Task) -> "RunFingerprints":
@@ -449,6 +452,11 @@ def require_same_model(
             peer = PeerMetrics.parse_obj(record.value)
         except Exception:  # malformed records are refused by validators; skip anything odd
             continue
+        if peer.software_fingerprint and peer.software_fingerprint != fingerprints.software:
+            raise PeerError(
+                f"run {run_id!r} runs other software (peer {peer.peer_name} has {peer.software_fingerprint}, this "
+                f"peer {fingerprints.software}): check out the run's commit and run bash scripts/setup_env.sh"
+            )
         if peer.model_fingerprint and peer.model_fingerprint != fingerprints.model:
             raise PeerError(
                 f"run {run_id!r} trains a different model (peer {peer.peer_name} has model fingerprint "

@@ -61,7 +61,28 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from common.errors import PeerError
 
-PINNED_VERSION = "1.1.12"
+PINNED_VERSION = "1.1.12"  # the hivemind release every patch here is written against
+# Raise it whenever a patch changes what peers send each other or how they treat each other's messages: peers of
+# one run must run the same patch set over the same hivemind (``software_fingerprint``, checked by
+# ``common.backends.require_same_model``).
+PATCH_SET_VERSION = "2026.12.1"
+
+
+def require_pinned_hivemind() -> None:
+    """Refuse to run these patches over another hivemind release: they replace its private internals."""
+    if hivemind.__version__ != PINNED_VERSION:
+        raise PeerError(
+            f"hivemind {hivemind.__version__} is installed, but common/hivemind_compat.py patches hivemind "
+            f"{PINNED_VERSION}: run bash scripts/setup_env.sh (requirements.txt pins it)"
+        )
+
+
+def software_fingerprint() -> str:
+    """What a peer must share with the run besides the model: the hivemind release and our patch set over it."""
+    return f"hivemind {hivemind.__version__} + patch set {PATCH_SET_VERSION}"
+
+
+logger = logging.getLogger(__name__)
 logger = logging.getLogger(__name__)
 
 

@@ -42,6 +42,7 @@ class PeerMetrics(pydantic.BaseModel):
     recent: List[StepRecord]
     model_fingerprint: pydantic.StrictStr = ""  # parameter names and shapes: peers of one run must agree
     input_fingerprint: pydantic.StrictStr = ""  # what the inputs mean (e.g. a tokenizer's ids): the same
+    software_fingerprint: pydantic.StrictStr = ""  # hivemind release + our patch set over it: the same
 
 
 class MetricsSchema(pydantic.BaseModel):
