@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -30,6 +31,19 @@ class PeerError(UserError):
     """The swarm cannot be joined: bad or unreachable initial peers, all-client-mode swarm, ..."""
 
 
+# errors of a file system the user can fix: a folder without write permission, a read-only mount, a full disk
+USER_FIXABLE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+
+
+def file_system_problem(error: BaseException) -> str | None:
+    """The one-line message for an OSError the user can fix (it names the file), None for any other error."""
+    if isinstance(error, OSError) and error.errno in USER_FIXABLE_ERRNOS and error.filename is not None:
+        return (
+            f"cannot write or read {error.filename}: {error.strerror} (check the folder's permissions and free space)"
+        )
+    return None
+
+
 def exit_on_user_error(main: F) -> F:
     """Wrap an entry point: a UserError ends the process with one line on stderr and exit code 2.
 
@@ -48,6 +62,14 @@ def exit_on_user_error(main: F) -> F:
             code = 2
         except KeyboardInterrupt:
             code = 130
+        except OSError as error:
+            problem = file_system_problem(error)
+            if problem is None:
+                logging.getLogger(main.__module__).exception("unexpected error")
+                code = 1
+            else:
+                sys.stderr.write(f"error: {problem}\n")
+                code = 2
         except SystemExit as exit_request:
             code = exit_request.code if isinstance(exit_request.code, int) else 1
         except BaseException:

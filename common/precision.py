@@ -32,8 +32,28 @@ logger = logging.getLogger(__name__)
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 
 
+def check_device(device: torch.device) -> None:
+    """A CUDA device this machine does not have is a one-line error before any tensor goes there."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "training.device=cuda but this machine has no usable CUDA GPU (torch.cuda.is_available() is false): "
+            "set training.device=auto (the CPU here) or cpu"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device} does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+
+
 def resolve_precision(requested: str, device: torch.device, fp16_on_cpu: bool = False) -> str:
-    """``requested`` (a config value) -> fp32, fp16 or bf16 for this device; fp16 without a GPU is an error."""
+    """``requested`` (a config value) -> fp32, fp16 or bf16 for this device; fp16 without a GPU, bf16 on a GPU
+    without bfloat16 and a CUDA device that is not there are errors."""
+    check_device(device)
+    if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"training.precision=bf16 needs a GPU with bfloat16 support and {torch.cuda.get_device_name(device)} "
+            "has none: set training.precision=auto (fp16 with loss scaling there) or fp16"
+        )
     if requested == "auto":
         if device.type == "cuda":
             chosen = "bf16" if torch.cuda.is_bf16_supported() else "fp16"

@@ -1,7 +1,14 @@
 """Bad input ends with one line naming the problem, a non-zero exit code, and no traceback."""
 
-import pytest
+import hashlib
+from pathlib import Path
 
+import pytest
+import torch
+
+from common.checkpoints import load_latest_checkpoint, read_state_file, save_checkpoint
+from common.errors import ConfigError, DataError
+from common.precision import resolve_precision
 from tests.helpers import ROOT, run_script
 
 TINY = str(ROOT / "configs/albert/tiny.yaml")
@@ -24,6 +31,14 @@ def assert_one_line_error(result, fragment: str) -> None:
         ("scripts/train.py", ["--initial-peers", "/ip4/127.0.0.1/tcp/9"], "lacks the /p2p/"),
         ("scripts/train.py", ["network.client_mode=true"], "client-mode peer"),
         ("scripts/aux_peer.py", ["network.client_mode=true"], "auxiliary peer must accept inbound"),
+        # /sys refuses new folders even to root (a permission check would not stop root)
+        ("scripts/train.py", ["training.output_dir=/sys/dedloc_run"], "cannot write or read /sys/dedloc_run"),
+        pytest.param(
+            "scripts/train.py",
+            ["training.device=cuda"],
+            "no usable CUDA GPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU"),
+        ),
     ],
 )
 def test_bad_input_is_one_line_error(script, arguments, fragment):
@@ -80,3 +95,49 @@ def test_bad_files_are_one_line_errors(tmp_path, script, config, arguments, frag
     result = run_script(script, "--config", config_path, "task.max_documents=500", *arguments, timeout=240)
     assert_one_line_error(result, fragment)
     assert "hub is unreachable" not in result.stderr  # a local file's problem is never blamed on the network
+
+
+def test_bf16_on_a_gpu_without_bfloat16_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args, **kwargs: "Tesla T4")
+    with pytest.raises(ConfigError, match="precision=bf16 needs a GPU with bfloat16 support and Tesla T4 has none"):
+        resolve_precision("bf16", torch.device("cuda"))
+    assert resolve_precision("bf16", torch.device("cpu")) == "bf16"  # CPU autocast has bfloat16
+
+
+def _torn(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_corrupt_state_file_is_one_data_error_and_the_previous_checkpoint_serves(tmp_path, caplog):
+    state = {"step": 1, "model": {"weight": torch.ones(3)}}
+    first = save_checkpoint(tmp_path, 1, state, keep=3)
+    second = save_checkpoint(tmp_path, 2, {**state, "step": 2}, keep=3)
+    _torn(second)
+    second.with_name(second.name + ".sha256").write_text(hashlib.sha256(second.read_bytes()).hexdigest())
+    with pytest.raises(DataError, match=f"{second} is not a readable state file"):
+        read_state_file(second)
+    assert load_latest_checkpoint(tmp_path)["step"] == 1  # the torn one (with a matching digest) is skipped
+    assert any("is not a readable state file" in record.getMessage() for record in caplog.records)
+    assert read_state_file(first)["step"] == 1  # nothing lost
+
+
+@pytest.mark.timeout(240)
+def test_export_of_a_corrupt_checkpoint_is_one_line_error(tmp_path):
+    checkpoint = tmp_path / "step_0000002.pt"
+    torch.save({"step": 2, "model": {}}, checkpoint)
+    _torn(checkpoint)
+    result = run_script(
+        "scripts/export_model.py",
+        "--config",
+        TINY,
+        "--checkpoint",
+        str(checkpoint),
+        "--output",
+        str(tmp_path / "exported"),
+        "task.max_documents=500",
+        timeout=200,
+    )
+    assert_one_line_error(result, "is not a readable state file")
