@@ -17,6 +17,8 @@ from typing import List, Optional
 
 import torch
 
+from common.errors import DataError
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_PATTERN = re.compile(r"step_(\d+)\.pt$")
@@ -38,6 +40,22 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
         stream.flush()
         os.fsync(stream.fileno())
     os.replace(temporary, path)
+
+
+def read_state_file(path: Path, weights_only: bool = False) -> dict:
+    """A saved state (a checkpoint, a trainer's ``final_model.pt``) read from ``path``; a missing, torn or corrupt
+    file is one DataError line naming it (unpickling errors come in many types)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"state file not found: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as error:
+        detail = " ".join(str(error).split())[:160]
+        raise DataError(f"{path} is not a readable state file (corrupt or torn: {type(error).__name__}: {detail})")
+    if not isinstance(state, dict):
+        raise DataError(f"{path} holds a {type(state).__name__}, not a saved state")
+    return state
 
 
 def save_checkpoint(directory: Path, step: int, state: dict, keep: int) -> Path:
@@ -73,9 +91,9 @@ def load_latest_checkpoint(directory: Path) -> Optional[dict]:
             logger.error(f"checkpoint {path.name} is corrupt (digest mismatch): using the previous one")
             continue
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as error:  # unpickling errors come in many types
-            logger.error(f"checkpoint {path.name} cannot be read ({type(error).__name__}): using the previous one")
+            state = read_state_file(path)
+        except DataError as error:
+            logger.error(f"{error}: using the previous checkpoint")
             continue
         logger.info(f"loaded checkpoint {path.name} (global step {state['step']})")
         return state

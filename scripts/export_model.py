@@ -7,6 +7,8 @@
 --checkpoint takes a monitor checkpoint (step_N.pt) or a trainer's final_model.pt. Trainers export at the end of
 a run and the monitor at every checkpoint (``<output_dir>/hf_model``) without this script; it serves older
 checkpoints and pushing. The tokenizer comes from this machine's cache of the run (same config and overrides).
+The card states the facts of the checkpoint's own step: from the run's history beside it (a monitor's or single
+process's ``history.jsonl``), or for ``final_model.pt`` from the trainer's ``summary.json`` and ``steps.jsonl``.
 """
 
 import argparse
@@ -15,24 +17,34 @@ import logging
 from pathlib import Path
 
 import _bootstrap  # noqa: F401  (repository root on sys.path)
-import torch
 
-from albert.export import push_to_hub
+from common.checkpoints import read_state_file
 from common.config import CONFIG_KEYS_HELP, import_task_module, load_config
 from common.errors import DataError, exit_on_user_error
+from common.export import facts_at_step, push_to_hub
 from common.lifecycle import setup_logging
-from common.task import ExportFacts
 
 logger = logging.getLogger("export")
 
 
-def last_history_entry(run_folder: Path) -> dict:
-    """The last aggregated step the run recorded beside the weights (monitor or single-process history)."""
-    history = run_folder / "history.jsonl"
-    if not history.exists():
-        return {}
-    lines = [line for line in history.read_text().splitlines() if line.strip()]
-    return json.loads(lines[-1]) if lines else {}
+def read_rows(path: Path) -> list:
+    """The per-step rows of a JSON-lines log; none if it does not exist."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def checkpoint_step(state: dict, folder: Path) -> int:
+    """Global steps behind the weights: a monitor checkpoint records them; a trainer's final_model.pt has its
+    summary.json beside it."""
+    if isinstance(state.get("step"), int):
+        return state["step"]
+    summary = folder / "summary.json"
+    if summary.exists():
+        return int(json.loads(summary.read_text())["global_steps"])
+    raise DataError(
+        f"cannot tell the global step of {folder}: no step in the checkpoint and no summary.json beside it"
+    )
 
 
 @exit_on_user_error
@@ -47,10 +59,7 @@ def main() -> None:
     setup_logging("export")
     config = load_config(args.config, args.overrides)
     checkpoint = Path(args.checkpoint)
-    if not checkpoint.is_file():
-        raise DataError(f"checkpoint not found: {checkpoint}")
-    state = torch.load(checkpoint, map_location="cpu")
-    step = state.get("step") if isinstance(state.get("step"), int) else None
+    state = read_state_file(checkpoint)
     weights = state["model"] if "model" in state else state
     task = import_task_module(config.task_module).build_task(config, with_data=False)
     try:
@@ -58,22 +67,25 @@ def main() -> None:
     except RuntimeError as error:
         raise DataError(f"{checkpoint} does not match the config's model: {str(error).splitlines()[0]}") from None
     run_folder = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
-    last = last_history_entry(run_folder)
-    if step is None:
-        step = int(last.get("step", -1)) + 1
-    facts = ExportFacts(
+    step = checkpoint_step(state, checkpoint.parent)
+    history = read_rows(run_folder / "history.jsonl")
+    target = config.collaboration.target_batch_size
+    facts = facts_at_step(
+        history or read_rows(run_folder / "steps.jsonl"),
+        step,
         run_id=config.collaboration.run_id,
-        global_step=step,
-        samples=step * config.collaboration.target_batch_size,
         exported_by=f"scripts/export_model.py from {checkpoint.name}",
         backend=config.training.backend.value,
-        final_loss=last.get("loss"),
-        metrics=last.get("metrics", {}),
-        contributors=[],
+        samples_per_step=target,
     )
+    if not history:  # a trainer's own records: the swarm's samples are its global steps x the target batch
+        facts.samples = step * target
     folder = task.export_pretrained(task.model, Path(args.output), facts)
     if folder is None:
-        raise DataError(f"task {config.task_module!r} has no export format")
+        raise DataError(
+            f"no Hugging Face folder was written for task {config.task_module!r}: its model is not a transformers "
+            f"model, or the export failed (the ERROR line above)"
+        )
     if args.push_to_hub:
         url = push_to_hub(folder, args.push_to_hub)
         logger.info(f"pushed {folder} to {url}")

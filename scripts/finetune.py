@@ -32,6 +32,7 @@ from albert.sahajbert.downstream import (
     summarise,
 )
 from albert.task import build_dataset, build_model
+from common.checkpoints import read_state_file
 from common.config import CONFIG_KEYS_HELP, load_config
 from common.errors import ConfigError, DataError, exit_on_user_error
 from common.lifecycle import setup_logging
@@ -89,9 +90,7 @@ def main() -> None:
         model_config = build_model(run_config.task, run_config.task.vocab_size).config
     pretrained = None
     if args.checkpoint is not None:
-        if not Path(args.checkpoint).is_file():
-            raise DataError(f"checkpoint not found: {args.checkpoint}")
-        pretrained = torch.load(args.checkpoint, map_location="cpu")
+        pretrained = read_state_file(Path(args.checkpoint))
     kind, splits = load_task(args.task, seed=0)
     logger.info(
         f"{args.task}: {len(splits.train)} train / {len(splits.validation)} validation / "

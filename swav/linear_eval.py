@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from lightly.transforms.utils import IMAGENET_NORMALIZE
 
+from common.checkpoints import read_state_file
 from common.config import RunConfig, import_task_module
 from common.errors import DataError
 from swav.data import load_fashion_mnist
@@ -152,9 +153,7 @@ def load_model(config: RunConfig, state_path: Optional[str]) -> SwavModel:
     torch.manual_seed(config.training.seed)  # the same initial parameters the trainers start from
     model = import_task_module(config.task_module).build_task(config, with_data=False).model
     if state_path is not None:
-        if not Path(state_path).is_file():
-            raise DataError(f"model state {state_path} does not exist")
-        state = torch.load(state_path, map_location="cpu")
+        state = read_state_file(Path(state_path))
         try:
             model.load_state_dict(state)
         except RuntimeError as error:
