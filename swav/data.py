@@ -102,7 +102,12 @@ class ArrayImages:
 
 
 class FolderImages:
-    """An ImageFolder root (ImageNet layout: ``root/<class>/<image>``); labels are ignored for pretraining."""
+    """An ImageFolder root (ImageNet layout: ``root/<class>/<image>``); labels are ignored for pretraining.
+
+    A file that does not decode (truncated, corrupt, not an image) is skipped with one WARNING line naming it: its
+    sample is replaced by the next readable image, so micro-batches keep their size and every peer that draws the
+    sample gets the same substitute. A folder in which no image decodes is a DataError.
+    """
 
     def __init__(self, root: str):
         from torchvision.datasets import ImageFolder
@@ -116,13 +121,24 @@ class FolderImages:
             self.folder = ImageFolder(root)
         except (FileNotFoundError, RuntimeError) as error:
             raise DataError(f"{root!r} is not an ImageFolder root: {error}") from None
+        self.unreadable: set = set()  # paths found not to decode (per process: each loader worker finds its own)
 
     def __len__(self) -> int:
         return len(self.folder)
 
     def image(self, index: int) -> Image.Image:
-        path, _ = self.folder.samples[index]
-        return self.folder.loader(path).convert("RGB")
+        count = len(self.folder.samples)
+        for offset in range(count):
+            path, _ = self.folder.samples[(index + offset) % count]
+            if path in self.unreadable:
+                continue
+            try:
+                image = self.folder.loader(path)
+                return image.convert("RGB")
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+                self.unreadable.add(path)  # PIL's decoders raise all of these for broken files
+                logger.warning(f"skipping image {path}: it does not decode ({type(error).__name__}: {error})")
+        raise DataError(f"no image in {self.folder.root!r} decodes")
 
 
 def open_images(dataset: str, fashion_mnist_dir: str, max_images: Optional[int]) -> ImageSource:

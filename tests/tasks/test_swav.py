@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightly.loss.swav_loss import sinkhorn
+from PIL import Image
 
 from common.backends import SingleProcessBackend
 from common.config import load_config
 from common.errors import ConfigError, DataError
 from common.trainer import Trainer
-from swav.data import FASHION_MNIST_DIR, crop_key, load_fashion_mnist
+from swav.data import FASHION_MNIST_DIR, crop_key, load_fashion_mnist, open_images
 from swav.linear_eval import evaluate, knn_top1, load_model
 from swav.task import build_task, learning_rate
 from tests.helpers import read_jsonl
@@ -98,6 +99,26 @@ def test_missing_image_folder_is_a_data_error(tmp_path):
 def test_bad_config_is_one_line_error_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(TINY, [override])
+
+
+def test_corrupt_image_in_a_folder_is_skipped_with_one_warning(tmp_path, caplog):
+    images, _ = load_fashion_mnist("t10k")
+    folder = tmp_path / "images" / "class0"
+    folder.mkdir(parents=True)
+    Image.fromarray(images[0]).save(folder / "a.png")
+    (folder / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n not really an image")
+    Image.fromarray(images[1]).save(folder / "c.png")
+    source = open_images(str(tmp_path / "images"), FASHION_MNIST_DIR, None)
+    with caplog.at_level(logging.WARNING, logger="swav.data"):
+        substitute = [np.asarray(source.image(1)) for _ in range(2)]
+    warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "b.png" in warnings[0], warnings
+    expected = np.asarray(Image.fromarray(images[1]).convert("RGB"))
+    assert all(np.array_equal(image, expected) for image in substitute)  # the next readable image stands in
+    (folder / "a.png").write_bytes(b"broken")
+    (folder / "c.png").write_bytes(b"broken")
+    with pytest.raises(DataError, match="no image in .* decodes"):
+        open_images(str(tmp_path / "images"), FASHION_MNIST_DIR, None).image(0)
 
 
 def test_views_are_deterministic_per_sample_and_pass():
