@@ -105,8 +105,12 @@ class Task(abc.ABC):
 
     def export_pretrained(self, model: nn.Module, folder: Path, facts: ExportFacts) -> Optional[Path]:
         """Write ``model`` to ``folder`` in its ecosystem's format (weights, config, preprocessing files and a
-        model card built from ``facts``); return the folder, or None when the task has no such format."""
-        return None
+        model card built from ``facts``); return the folder, or None when the task has no such format or the export
+        failed (one ERROR line). Default: a ``transformers`` model as a Hugging Face folder with the task's
+        ``tokenizer`` attribute, if any (``common.export``; override to change the card's text)."""
+        from common.export import export_transformers_model  # the export module builds on this one
+
+        return export_transformers_model(model, folder, facts, tokenizer=getattr(self, "tokenizer", None))
 
 
 class DatasetTask(Task):

@@ -19,11 +19,12 @@ from common.checkpoints import load_latest_checkpoint, save_checkpoint
 from common.config import RunConfig, import_task_module, to_container
 from common.dashboard import start_dashboard
 from common.errors import PeerError
+from common.export import facts_at_step
 from common.identity import peer_id_of_record_owner
 from common.lifecycle import StopFlag
 from common.metrics import HistoryWriter, PeerMetrics, StepAggregate, StepAggregator, metrics_key
 from common.peer import read_join_command, start_peer_dht
-from common.task import EXPORT_DIR, ExportFacts
+from common.task import EXPORT_DIR
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_RETRY_MAX_SECONDS = 16.0
@@ -257,21 +258,20 @@ class Monitor:
 
     def export(self, step: int) -> None:
         """The checkpointed weights in the task's ecosystem format (a Hugging Face folder for ALBERT), rewritten
-        at every checkpoint; the card lists every contributor the monitor has seen."""
-        last = self.last_aggregate
-        facts = ExportFacts(
+        at every checkpoint; the card states that step's facts from the history and every contributor up to it. A
+        failing export is one ERROR line: the monitor keeps running."""
+        facts = facts_at_step(
+            self.history.read(),
+            step,
             run_id=self.config.collaboration.run_id,
-            global_step=step,
-            samples=sum(row["samples"] for row in self.leaderboard.rows.values()),
             exported_by=f"the monitor on its checkpoint of global step {step}",
             backend=self.config.training.backend.value,
-            final_loss=last.loss if last is not None else None,
-            metrics=dict(last.metrics) if last is not None else {},
-            contributors=[
-                {key: row[key] for key in ("peer", "samples", "steps")} for row in self.leaderboard.rows.values()
-            ],
+            samples_per_step=self.config.collaboration.target_batch_size,
         )
-        self.task.export_pretrained(self.task.model, self.output_dir / EXPORT_DIR, facts)
+        try:
+            self.task.export_pretrained(self.task.model, self.output_dir / EXPORT_DIR, facts)
+        except Exception as error:  # a task's own export code: whatever it raises must not end the run
+            logger.error(f"could not export the checkpoint of global step {step}: {type(error).__name__}: {error}")
 
     def run(self) -> None:
         logger.info("monitor running: aggregating metrics per global step")
