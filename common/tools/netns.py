@@ -181,14 +181,6 @@ def delete_namespace(namespace: str) -> None:
         raise NetworkEmulationError(f"could not delete network namespace {namespace}: {result.stderr.strip()}")
 
 
-def cleanup_stale(prefix: str) -> List[str]:
-    """Delete every namespace whose name starts with ``prefix`` (e.g. one run's ``dl1234-ab12-``)."""
-    removed = [name for name in list_namespaces() if name.startswith(prefix)]
-    for name in removed:
-        delete_namespace(name)
-    return removed
-
-
 def cleanup_orphaned() -> List[str]:
     """Delete namespaces left by processes that died without cleaning up (their owner pid is gone)."""
     removed = []
@@ -216,7 +208,7 @@ class EmulatedNetwork:
     ...                      f"network.host_maddrs=[{network.host_maddr(0)}]"], start_new_session=True)
 
     Cleanup (processes inside, then namespaces) runs on ``__exit__``, on a failure while building, and at
-    interpreter exit; ``cleanup_orphaned()`` removes what a SIGKILLed owner left behind.
+    interpreter exit; what a SIGKILLed owner left behind is removed by the next network that starts.
     """
 
     def __init__(
@@ -291,6 +283,7 @@ class EmulatedNetwork:
     # --- life cycle --------------------------------------------------------------------------
     def __enter__(self) -> "EmulatedNetwork":
         check_available(need_firewall=any(not host.accepts_inbound for host in self.hosts))
+        cleanup_orphaned()
         atexit.register(self.close)
         try:
             self._build()

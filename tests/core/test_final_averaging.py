@@ -116,8 +116,10 @@ def test_a_trainer_whose_partners_left_gives_up_quietly(caplog, capfd):
         backends[0].average_final_parameters()  # the tracker still counts trainer1, which never comes
         waited = time.monotonic() - started
         time.sleep(2.0)  # hivemind's averager runs in a process of its own: give its log lines time to arrive
-        # it gives up halfway to the round's timeout (3 s + 10 s / 2), before hivemind would log an error (13 s)
-        assert FINAL_AVERAGING_SECONDS + 5.0 <= waited < FINAL_AVERAGING_SECONDS + 7.0
+        # it waits for the trainer that never comes until halfway to the round's timeout (3 s + 10 s / 2), and gives
+        # up before hivemind would log an error (13 s): the absence of that ERROR line below is what counts, not how
+        # long this took on a busy machine
+        assert waited >= FINAL_AVERAGING_SECONDS + 5.0
         assert weight(backends[0]) == 1.0
         assert not [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
         stderr = capfd.readouterr().err
