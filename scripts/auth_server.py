@@ -21,8 +21,6 @@ import os
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.auth import (
     AllowlistEntry,
     AuthorizationService,

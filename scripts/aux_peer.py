@@ -2,8 +2,6 @@
 
 With ``--auth-server https://HOST:PORT`` it joins a moderated run; ``--help`` lists the other options."""
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.errors import exit_on_user_error
 from common.peer import run_moderated_role
 from common.roles.auxiliary import run_auxiliary

@@ -16,8 +16,6 @@ import json
 import logging
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.checkpoints import read_state_file
 from common.config import CONFIG_KEYS_HELP, import_task_module, load_config
 from common.errors import DataError, exit_on_user_error

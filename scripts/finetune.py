@@ -18,7 +18,6 @@ import json
 import logging
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 from transformers import AutoConfig, AutoTokenizer
 

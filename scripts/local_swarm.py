@@ -11,8 +11,6 @@ import logging
 import time
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.config import load_config, script_argument_parser
 from common.dashboard import URL_FILE as DASHBOARD_URL_FILE
 from common.errors import UserError, exit_on_user_error

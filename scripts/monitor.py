@@ -3,8 +3,6 @@
 It records the run's history, saves the checkpoints late joiners start from and serves the dashboard (the
 monitor section of common/config.py). ``--help`` lists its options (``--auth-server`` for a moderated run)."""
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.errors import exit_on_user_error
 from common.peer import run_moderated_role
 from common.roles.monitor import run_monitor

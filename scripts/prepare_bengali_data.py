@@ -7,8 +7,6 @@ Writes ``<output>/wikipedia_standin/ui_strings.jsonl`` and ``<output>/oscar_stan
 import argparse
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from albert.sahajbert.corpus import prepare_bengali_sources
 from common.errors import ConfigError, exit_on_user_error
 from common.lifecycle import setup_logging

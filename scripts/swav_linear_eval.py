@@ -11,7 +11,6 @@ import json
 import logging
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 
 from common.config import load_config, script_argument_parser

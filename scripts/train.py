@@ -1,7 +1,5 @@
 """Trainer peer: ``python scripts/train.py --config CONFIG [--initial-peers ...] [key=value ...]``."""
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.errors import exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.peer import parse_role_arguments

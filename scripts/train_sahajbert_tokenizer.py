@@ -10,8 +10,6 @@ import argparse
 import logging
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from albert.sahajbert.data import BENGALI_STREAM, tokenizer_training_texts
 from albert.sahajbert.tokenizer import train_bengali_tokenizer
 from common.config import CONFIG_KEYS_HELP, load_config

@@ -8,8 +8,6 @@ $DEDLOC_USERNAME / $DEDLOC_PASSWORD or a prompt. Refusals (not allowlisted, wron
 unreachable server) end with one line naming the problem. The display name defaults to the username.
 """
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.auth import authorize
 from common.errors import exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging

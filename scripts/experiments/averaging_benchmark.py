@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.errors import ConfigError, exit_on_user_error
 from common.lifecycle import setup_logging
 from common.tools.allreduce import BYTES_PER_ELEMENT, Condition, run_setup, write_outputs

@@ -20,7 +20,6 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 
 from common.config import load_config, script_argument_parser

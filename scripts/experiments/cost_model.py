@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.config import Compression, Semantics, load_config, script_argument_parser
 from common.errors import DataError, exit_on_user_error
 from common.lifecycle import setup_logging

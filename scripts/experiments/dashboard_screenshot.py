@@ -16,8 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.dashboard import HEADLESS_CHROMIUM_FLAGS, URL_FILE
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging

@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 from transformers import AutoConfig, AutoTokenizer
 

@@ -19,7 +19,6 @@ import time
 from itertools import islice
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (puts the repository on sys.path)
 import torch
 
 from common.config import load_config

@@ -15,8 +15,6 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.errors import exit_on_user_error
 from common.lifecycle import setup_logging
 from common.tools import participation

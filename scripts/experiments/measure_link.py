@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.errors import PeerError, exit_on_user_error
 from common.lifecycle import setup_logging
 from common.tools.netns import EmulatedNetwork, HostSpec

@@ -14,8 +14,6 @@ import logging
 import time
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import setup_logging
 

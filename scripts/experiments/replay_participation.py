@@ -15,8 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import List
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.config import load_config, script_argument_parser
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging

@@ -13,8 +13,6 @@ import logging
 from pathlib import Path
 from typing import List
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.errors import DataError, exit_on_user_error
 from common.lifecycle import setup_logging
 

@@ -12,7 +12,6 @@ import os
 import time
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
 import psutil
 
 from common.errors import exit_on_user_error

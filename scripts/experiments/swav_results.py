@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
 import matplotlib
 
 matplotlib.use("Agg")
