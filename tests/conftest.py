@@ -1,20 +1,22 @@
-"""Shared fixtures: the repository on sys.path, offline hubs, and fast settings for multi-peer tests."""
+"""Shared fixtures: offline hubs, and fast settings for multi-peer tests."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--task",
+        default="template",
+        help="the experiment package tests/tasks/test_contract.py checks, with its configs/<task>/tiny.yaml",
+    )
 
 
 @pytest.fixture
