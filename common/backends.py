@@ -29,7 +29,14 @@ from hivemind.utils import get_dht_time
 from common.config import CollaborationConfig
 from common.errors import ConfigError, PeerError, UserError
 from common.hivemind_compat import count_state_reloads, restart_throughput_timer, software_fingerprint
-from common.metrics import RECENT_STEPS_KEPT, HistoryWriter, PeerMetrics, StepRecord, aggregate_step, metrics_key
+from common.metrics import (
+    HistoryWriter,
+    PeerMetrics,
+    StepRecord,
+    aggregate_step,
+    metrics_key,
+    records_to_publish,
+)
 from common.precision import needs_loss_scaling
 from common.task import Task
 
@@ -318,7 +325,7 @@ class CollaborativeBackend(TrainingBackend):
         value = PeerMetrics(
             peer_name=self.peer_name,
             role=self.role,
-            recent=records[-RECENT_STEPS_KEPT:],
+            recent=records_to_publish(records, self.metrics_expiration),
             model_fingerprint=self.fingerprints.model,
             input_fingerprint=self.fingerprints.inputs,
             software_fingerprint=self.fingerprints.software,

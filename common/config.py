@@ -86,9 +86,18 @@ class NetworkConfig:
     use_relay: bool = True
     use_auto_relay: bool = False
     bootstrap_timeout: float = 30.0
+    # how long one start of the p2p daemon may take (hivemind's 15 s is too short on a busy laptop)
+    daemon_start_timeout: float = 60.0
+    # the daemon start and the bootstrap are retried with backoff for this many seconds before the peer gives up
+    startup_deadline: float = 300.0
+    # a peer that accepts connections listens on the same port after a restart (kept in its output folder), so
+    # the addresses it published stay valid; only ``tcp/0`` host addresses are pinned
+    keep_port: bool = True
 
     def __post_init__(self) -> None:
         require(self.bootstrap_timeout > 0, "network.bootstrap_timeout must be > 0")
+        require(self.daemon_start_timeout > 0, "network.daemon_start_timeout must be > 0")
+        require(self.startup_deadline >= 0, "network.startup_deadline must be >= 0")
         require(len(self.host_maddrs) > 0, "network.host_maddrs must list at least one multiaddr")
 
 
@@ -213,7 +222,9 @@ class MonitorConfig:
     keep_checkpoints: int = 3
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "dedloc"
-    metrics_expiration: float = 600.0  # seconds a metrics record lives in the DHT
+    # seconds a peer's step records stay in the DHT (each peer republishes those of this span, at most
+    # common.metrics.MAX_RECORDS_PUBLISHED steps): a monitor down for less than that recovers every step it missed
+    metrics_expiration: float = 1800.0
     # the live page (common.dashboard): progress, peers, contributors and the join command, read-only; it listens
     # on this machine only unless dashboard_host says otherwise (e.g. 0.0.0.0 to let volunteers open it)
     dashboard: bool = False

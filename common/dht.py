@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import shlex
+import socket
+import time
 from typing import List, Optional, Sequence, Union
 
 import hivemind
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PDaemonError
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -36,11 +40,22 @@ def validate_multiaddrs(addresses: Sequence[str], what: str) -> List[str]:
     return list(addresses)
 
 
+STARTUP_RETRY_MAX_SECONDS = 30.0  # the longest pause between two attempts to start and join
+
+
 def start_dht(
-    network: NetworkConfig, record_validators: Sequence = (), authorizer: Optional[AuthorizerBase] = None
+    network: NetworkConfig,
+    record_validators: Sequence = (),
+    authorizer: Optional[AuthorizerBase] = None,
+    kept_port: Optional[int] = None,
 ) -> hivemind.DHT:
     """Start this process's DHT node (must run in the main thread: hivemind requires it). With an ``authorizer``
-    (``common.auth``), DHT requests and responses carry access tokens and unauthorized peers are refused."""
+    (``common.auth``), DHT requests and responses carry access tokens and unauthorized peers are refused.
+    ``kept_port``: listen there instead of on a port chosen by the system (``tcp/0``), unless it is taken.
+
+    A busy machine may start the p2p daemon slowly and initial peers may be gone (a peer that restarted on another
+    port leaves a dead address behind): the start and the bootstrap are retried with backoff (one WARNING line per
+    failed attempt) until ``network.startup_deadline``; joining through any one live initial peer is enough."""
     initial_peers = validate_multiaddrs(network.initial_peers, "initial peer")
     validate_multiaddrs(network.host_maddrs, "host")
     validate_multiaddrs(network.announce_maddrs, "announce")
@@ -54,50 +69,129 @@ def start_dht(
     deliver_whole_streams()
     close_averager_p2p_on_shutdown()
     finish_abandoned_executor_maps()
-    try:
-        dht = hivemind.DHT(
-            initial_peers=initial_peers,
-            host_maddrs=list(network.host_maddrs),
-            announce_maddrs=list(network.announce_maddrs) or None,
-            client_mode=network.client_mode,
-            identity_path=network.identity_path,
-            use_relay=network.use_relay,
-            use_auto_relay=network.use_auto_relay,
-            record_validators=list(record_validators),
-            bootstrap_timeout=network.bootstrap_timeout,
-            authorizer=authorizer,
-            startup_timeout=network.bootstrap_timeout,
-            start=True,
-        )
-    except (P2PDaemonError, RuntimeError, TimeoutError, OSError) as error:
-        detail = " ".join(str(error).split())[:300]
-        raise PeerError(f"could not start the DHT node or reach initial peers {initial_peers}: {detail}") from None
-    try:
-        connected = not initial_peers or dht.run_coroutine(_count_neighbours) > 0
-    except BaseException:
-        dht.shutdown()
-        raise
-    if not connected:
-        dht.shutdown()
-        raise PeerError(
-            f"no initial peer answered as a DHT server within {network.bootstrap_timeout:.0f} s "
-            f"(unreachable, or every peer is in client mode): {initial_peers}"
-        )
+    check_identity_within(network.daemon_start_timeout)
+    deadline = time.monotonic() + network.startup_deadline
+    host_maddrs = list(network.host_maddrs)
+    if kept_port is not None:
+        if port_is_free(kept_port):
+            host_maddrs = [address.replace("/tcp/0", f"/tcp/{kept_port}") for address in host_maddrs]
+        else:
+            logger.warning(f"port {kept_port}, where this peer listened before, is taken: listening on a new port")
+    for attempt in itertools.count(1):
+        failure = None
+        try:
+            dht = _start_dht_once(network, host_maddrs, initial_peers, record_validators, authorizer)
+        except (P2PDaemonError, RuntimeError, TimeoutError, OSError, ValueError) as error:
+            failure = " ".join(str(error).split())[:300]
+        else:
+            try:
+                connected = not initial_peers or dht.run_coroutine(_count_neighbours) > 0
+            except BaseException:
+                dht.shutdown()
+                raise
+            if connected:
+                break
+            dht.shutdown()
+            failure = (
+                f"no initial peer answered as a DHT server within {network.bootstrap_timeout:.0f} s "
+                f"(unreachable, or every peer is in client mode)"
+            )
+        delay = min(STARTUP_RETRY_MAX_SECONDS, 2.0 ** (attempt - 1))
+        if time.monotonic() + delay > deadline:
+            raise PeerError(
+                f"could not start the DHT node or join through any initial peer ({attempt} attempt(s) in "
+                f"{network.startup_deadline:.0f} s; network.startup_deadline): tried {initial_peers or 'none'}; "
+                f"last failure: {failure}"
+            )
+        logger.warning(f"start-up attempt {attempt} failed ({failure}); retrying in {delay:.0f} s")
+        time.sleep(delay)
     problem = unrouted_addresses_problem(initial_peers if initial_peers else visible_multiaddrs(dht))
     if problem is not None:
         logger.warning(problem)
     return dht
 
 
+def port_is_free(port: int) -> bool:
+    """Whether a TCP listener could bind ``port`` on every interface (as p2pd does, reusing the address)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def listening_port(dht: hivemind.DHT) -> Optional[int]:
+    """The TCP port this peer listens on, from its visible addresses (None if it has none)."""
+    for address in dht.get_visible_maddrs():
+        if "tcp" in [protocol.name for protocol in address.protocols()]:
+            return int(address.value_for_protocol("tcp"))
+    return None
+
+
+def _start_dht_once(network, host_maddrs, initial_peers, record_validators, authorizer) -> hivemind.DHT:
+    return hivemind.DHT(
+        initial_peers=initial_peers,
+        host_maddrs=host_maddrs,
+        announce_maddrs=list(network.announce_maddrs) or None,
+        client_mode=network.client_mode,
+        identity_path=network.identity_path,
+        use_relay=network.use_relay,
+        use_auto_relay=network.use_auto_relay,
+        record_validators=list(record_validators),
+        bootstrap_timeout=network.bootstrap_timeout,
+        authorizer=authorizer,
+        startup_timeout=network.daemon_start_timeout,
+        start=True,
+    )
+
+
+def check_identity_within(startup_timeout: float) -> None:
+    """hivemind checks that a peer's existing identity is not in use by starting a second p2p daemon, with its
+    fixed 15 s start timeout: on a busy machine that check alone failed restarts ("Daemon failed to start in 15.0
+    seconds"). The same check, with the configured timeout. Applied before the DHT's process is forked."""
+
+    async def is_identity_taken(cls, identity_path, *, initial_peers, tls, use_auto_relay, use_ipfs, use_relay):
+        with open(identity_path, "rb") as handle:
+            peer_id = PeerID.from_identity(handle.read())
+        anonymous_p2p = await cls.create(
+            initial_peers=initial_peers,
+            dht_mode="client",
+            tls=tls,
+            use_auto_relay=use_auto_relay,
+            use_ipfs=use_ipfs,
+            use_relay=use_relay,
+            startup_timeout=startup_timeout,
+        )
+        try:
+            await anonymous_p2p._client.connect(peer_id, [])
+            return True
+        except ControlFailure:
+            return False
+        finally:
+            await anonymous_p2p.shutdown()
+
+    P2P.is_identity_taken = classmethod(is_identity_taken)
+
+
 # Address ranges reserved for documentation and benchmarks (RFC 5737, RFC 2544). The peer routing of p2pd (libp2p's
-# Kademlia DHT) never adds a peer connected through such an address to its routing table, so no third peer can
-# find it by peer id: every p2p stream to it fails with "routing: not found" and it averages with nobody, although
-# hivemind's own DHT (reached through the directly dialled initial peer) works. Checked with three p2pd daemons in
-# a network namespace per range, the third dialling the second by id after both joined through the first: these
-# four fail; 10/8, 172.16/12, 192.168/16, 100.64/10, loopback and a public address work.
+# Kademlia DHT) never adds a peer connected through such an address to its routing table, so no peer can find
+# another by peer id: a p2p stream to a peer this one is not already connected to fails with "routing: not found".
+# Peers with a direct connection (one dialled the other: it was among its initial peers) still reach each other, in
+# both directions. Checked with p2pd daemons in a network namespace per range (tests/core/test_reserved_ranges.py):
+# these four ranges fail by id and work when dialled directly; 10/8, 172.16/12, 192.168/16, 100.64/10, loopback and
+# a public address work either way. So a swarm joined through one such address averages only between peers that
+# listed each other as initial peers, and a volunteer pasting one entry address averages with nobody.
 UNROUTED_BY_LIBP2P = tuple(
     ipaddress.ip_network(block) for block in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24", "198.18.0.0/15")
 )
+
+
+def in_unrouted_range(address: str) -> bool:
+    """Whether ``address`` names an IP in one of the ranges libp2p's peer routing ignores."""
+    ip = _ip_of(address)
+    return ip is not None and any(ip in block for block in UNROUTED_BY_LIBP2P)
 
 
 def unrouted_addresses_problem(addresses: Sequence[str]) -> Optional[str]:
@@ -108,11 +202,12 @@ def unrouted_addresses_problem(addresses: Sequence[str]) -> Optional[str]:
     if not ips or not all(any(ip in block for block in UNROUTED_BY_LIBP2P) for ip in ips):
         return None
     return (
-        f"the swarm is joined through {', '.join(str(ip) for ip in ips)}, in a range reserved for documentation "
-        f"or benchmarks that libp2p's peer routing ignores: peers will not find each other by peer id (\"routing: "
-        f'not found") and gradient averaging will find no group. On one machine listen on loopback '
-        f"(network.host_maddrs=[/ip4/127.0.0.1/tcp/0]) and join through the loopback address; across machines use "
-        f"private or public addresses (network.announce_maddrs)"
+        f"the swarm is joined through {', '.join(sorted({str(ip) for ip in ips}))}, in a range reserved for "
+        f"documentation or benchmarks that libp2p's peer routing ignores: this peer reaches only the peers it is "
+        f"directly connected to (its initial peers, and those that list it among theirs), so it averages only with "
+        f'those; streams to any other fail with "routing: not found". On one machine listen on loopback '
+        f"(network.host_maddrs=[/ip4/127.0.0.1/tcp/0]) and join through "
+        f"the loopback address; across machines use private or public addresses (network.announce_maddrs)"
     )
 
 

@@ -1,10 +1,11 @@
 """Per-peer training metrics in the DHT: signed, schema-validated records, aggregated per global step.
 
 Each trainer stores, under ``<run_id>_metrics`` with its own public key as subkey, its summaries of its
-last few global steps. That key is the peer's identity key (``common.identity``), so the subkey tells the monitor
-the peer id of the record's author: contributions are keyed by peer id, and ``peer_name`` is only a label.
-Keeping a short window means the monitor never misses a step because of its polling period, and aggregating
-by the ``step`` field (not by arrival time) means stale steps never mix.
+global steps of the last ``monitor.metrics_expiration`` seconds. That key is the peer's identity key
+(``common.identity``), so the subkey tells the monitor the peer id of the record's author: contributions are keyed
+by peer id, and ``peer_name`` is only a label. Keeping a window means the monitor never misses a step because of
+its polling period or a restart, and aggregating by the ``step`` field (not by arrival time) means stale steps
+never mix.
 Records are RSA-signed by hivemind's ``RSASignatureValidator`` (a peer can only write its own subkey) and
 checked against the pydantic schema below (malformed records are refused by every DHT node).
 """
@@ -20,9 +21,10 @@ from typing import Dict, List, Optional
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 
-# a peer republishes its last RECENT_STEPS_KEPT step records every step: a monitor that was down for fewer global
-# steps than this (restart included) still finds every step it missed (records are ~200 bytes each)
-RECENT_STEPS_KEPT = 32
+# a peer republishes, every step, its step records of the last monitor.metrics_expiration seconds, at most this many:
+# a monitor down for less than both (restart included) still finds every step it missed. Records are 200-400 bytes,
+# so one peer's value stays under ~100 KB and forty peers' under hivemind's 4 MiB message limit
+MAX_RECORDS_PUBLISHED = 256
 
 
 class StepRecord(pydantic.BaseModel):
@@ -34,6 +36,15 @@ class StepRecord(pydantic.BaseModel):
     seconds: pydantic.confloat(ge=0.0, strict=True)  # wall time this peer spent in the step
     time: pydantic.StrictFloat  # unix time when the step ended for this peer
     metrics: Dict[pydantic.StrictStr, pydantic.StrictFloat] = {}
+
+
+def records_to_publish(records: List[StepRecord], span_seconds: float) -> List[StepRecord]:
+    """The step records a peer republishes: those that ended within ``span_seconds`` of its newest one, at most
+    ``MAX_RECORDS_PUBLISHED`` (``records`` in the order they ended)."""
+    if not records:
+        return []
+    newest = records[-1].time
+    return [record for record in records[-MAX_RECORDS_PUBLISHED:] if record.time >= newest - span_seconds]
 
 
 class PeerMetrics(pydantic.BaseModel):

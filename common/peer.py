@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
@@ -18,7 +20,7 @@ from common import startup
 from common.auth import authorize
 from common.bandwidth import bandwidth_for_averager, measure_link_to_initial_peer, serve_bandwidth_probe
 from common.config import CONFIG_KEYS_HELP, Backend, RunConfig, load_config, to_container, to_yaml
-from common.dht import join_command, start_dht, visible_multiaddrs
+from common.dht import in_unrouted_range, join_command, listening_port, start_dht, visible_multiaddrs
 from common.hivemind_compat import sign_with_identity_key
 from common.identity import IDENTITY_FILE, PeerIdentity, load_identity
 from common.lifecycle import StopFlag, setup_logging
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ADDRESS_FILE = "initial_peers.txt"  # a peer's multiaddrs, one per line, for launchers and volunteers
 RESOLVED_CONFIG_FILE = "config.yaml"  # the config this peer runs with, every default and override resolved
 JOIN_COMMAND_FILE = "join_command.txt"  # the command a volunteer pastes, as logged
+PORT_FILE = "listen_port.txt"  # the port a peer listened on, reused after a restart (network.keep_port)
 # what volunteers must share with the organiser: everything that defines the run rather than one peer's machine
 RUN_WIDE_SECTIONS = ("task", "collaboration")
 PER_PEER_COLLABORATION_KEYS = ("bandwidth", "measure_bandwidth", "bandwidth_probe_seconds")
@@ -167,14 +170,32 @@ def start_peer_dht(
     """Start the DHT with the metrics validators, save the resolved config, write our addresses, and log the
     command a volunteer on another machine pastes to join (the volunteer command in a moderated run)."""
     validators: List = make_validators(config.collaboration.run_id, RSASignatureValidator())
-    dht = start_dht(config.network, validators, authorizer)
+    keeps_port = config.network.keep_port and not config.network.client_mode and not config.network.announce_maddrs
+    dht = start_dht(
+        config.network, validators, authorizer, kept_port=read_kept_port(output_dir) if keeps_port else None
+    )
     startup.mark("DHT bootstrap")
     logger.info(f"peer id {dht.peer_id} (identity {config.network.identity_path})")
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / RESOLVED_CONFIG_FILE).write_text(to_yaml(config))
+    port = listening_port(dht) if keeps_port else None
+    if port is not None:
+        (output_dir / PORT_FILE).write_text(f"{port}\n")
     if not config.network.client_mode:
         serve_bandwidth_probe(dht)  # joining peers may measure their link against us
         addresses = visible_multiaddrs(dht)
+        (output_dir / JOIN_COMMAND_FILE).unlink(missing_ok=True)  # a previous run's command may be stale
+        if addresses and all(in_unrouted_range(address) for address in addresses):
+            # peers on this machine can still join through loopback, which libp2p routes
+            loopback = [str(address) for address in dht.get_visible_maddrs() if "/ip4/127." in str(address)]
+            (output_dir / ADDRESS_FILE).write_text("\n".join(addresses + loopback) + "\n")
+            logger.warning(
+                f"no join command: this peer's only addresses for other machines ({', '.join(addresses)}) are in "
+                f"ranges reserved for documentation or benchmarks, through which volunteers cannot find each other; "
+                f"announce an address they can dial: network.announce_maddrs='[/ip4/PUBLIC_OR_PRIVATE_IP/tcp/PORT]' "
+                f"with network.host_maddrs='[/ip4/0.0.0.0/tcp/PORT]'"
+            )
+            return dht
         (output_dir / ADDRESS_FILE).write_text("\n".join(addresses) + "\n")
         server_url = getattr(authorizer, "server_url", None)
         command = join_command(
@@ -184,9 +205,59 @@ def start_peer_dht(
             run_overrides(config, config_path),
             server_url,
         )
-        (output_dir / JOIN_COMMAND_FILE).write_text(command + "\n")
-        logger.info(f"to join this run, a volunteer runs (from a clone of this repository):\n  {command}")
+        clone = clone_command()
+        lines = [command] if clone is None else [clone, command]
+        (output_dir / JOIN_COMMAND_FILE).write_text("\n".join(lines) + "\n")
+        where = "from a clone of this repository" if clone is None else "the first line gets this code"
+        logger.info(f"to join this run, a volunteer runs ({where}):\n  " + "\n  ".join(lines))
     return dht
+
+
+CLONE_FOLDER = "dedloc"
+
+
+def clone_command() -> Optional[str]:
+    """The shell line that gets this repository at the commit this peer runs (volunteers run the same code and
+    configs): from the ``origin`` remote, else from this folder's path (only on this machine or a shared file
+    system: say so). None, with a WARNING, when this is not a git checkout."""
+
+    def git(*arguments: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(ROOT), *arguments], capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            raise OSError(head.stderr.strip().splitlines()[-1] if head.stderr.strip() else "git rev-parse failed")
+        remote = git("remote", "get-url", "origin")
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except (OSError, subprocess.SubprocessError) as error:
+        logger.warning(f"{ROOT} is not a git checkout ({error}): volunteers need a copy of this folder")
+        return None
+    source = remote.stdout.strip() if remote.returncode == 0 and remote.stdout.strip() else str(ROOT)
+    if source == str(ROOT):
+        logger.warning(
+            f"this repository has no 'origin' remote: the join command clones {ROOT}, which only this machine can "
+            f"read; publish the repository and add it (git remote add origin URL)"
+        )
+    if dirty:
+        logger.warning("this repository has uncommitted changes: volunteers' clones get the last commit without them")
+    commit = head.stdout.strip()
+    return f"git clone {shlex.quote(source)} {CLONE_FOLDER} && cd {CLONE_FOLDER} && git checkout --quiet {commit}"
+
+
+def read_kept_port(output_dir: Path) -> Optional[int]:
+    """The port this peer listened on in its previous run in ``output_dir`` (None: first start, or unreadable)."""
+    path = output_dir / PORT_FILE
+    if not path.exists():
+        return None
+    try:
+        port = int(path.read_text().strip())
+    except (OSError, ValueError):
+        port = 0
+    if not 0 < port < 65536:
+        logger.warning(f"{path} does not hold a port number: listening on a new port")
+        return None
+    return port
 
 
 def read_join_command(output_dir: Path) -> str:

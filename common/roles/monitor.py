@@ -152,7 +152,11 @@ class Monitor:
         self.state_averager.local_epoch = state["step"]
         self.state_averager.state_sharing_priority = state["step"]
         self.last_checkpoint_step = state["step"]
-        logger.info(f"serving checkpoint state of global step {state['step']} to joining trainers")
+        # joining peers take the state of the highest priority (its global step) offered: trainers further on win
+        logger.info(
+            f"loaded the checkpoint of global step {state['step']}: joining trainers get it only while no peer "
+            f"offers a newer state, and the swarm's newer state replaces it at the next checkpoint"
+        )
 
     def poll(self, timeout: Optional[float] = None) -> bool:
         """Read every peer's recent step records (``timeout``: give up after that many seconds); False if the

@@ -54,6 +54,7 @@ def test_unreachable_initial_peer_is_one_line_error():
         TINY,
         "task.max_documents=500",
         "network.bootstrap_timeout=5",
+        "network.startup_deadline=5",  # the start and the bootstrap are retried until then
         "--initial-peers",
         f"/ip4/127.0.0.1/tcp/9/p2p/{SOME_PEER_ID}",
         timeout=200,

@@ -2,9 +2,10 @@
 
 Emulated hosts (network namespaces): the monitor on one, a volunteer on each of two others. Each volunteer runs the
 monitor's printed join command verbatim (``python`` from its PATH, from the repository root) plus only its own
-output folder; the test adds ``debug.record_sample_ids=true`` (to compare micro-batches) and a short progress
-period, and the firewalled volunteer adds ``network.client_mode=true`` as such a volunteer is told to. Both must
-contribute to every step under their own peer ids, on different micro-batches.
+output folder; the line printed before it, which clones this repository at the monitor's commit, is checked, not
+run (the volunteers run from this checkout). The test adds ``debug.record_sample_ids=true`` (to compare
+micro-batches) and a short progress period, and the firewalled volunteer adds ``network.client_mode=true`` as such
+a volunteer is told to. Both must contribute to every step under their own peer ids, on different micro-batches.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ def test_volunteers_pasting_the_printed_command_on_other_hosts_are_two_contribut
         )
         volunteers = {}
         try:
-            printed = _wait_for_file(monitor_dir / JOIN_COMMAND_FILE, monitor, monitor_log, timeout=180)
+            clone, printed = _wait_for_file(monitor_dir / JOIN_COMMAND_FILE, monitor, monitor_log, 180).splitlines()
+            head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+            assert clone.startswith("git clone ") and clone.endswith(f" && git checkout --quiet {head.strip()}")
             assert printed.startswith(
                 ".venv/bin/python scripts/train.py --config configs/albert/tiny.yaml --initial-peers /ip4/"
             )

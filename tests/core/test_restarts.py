@@ -1,0 +1,140 @@
+"""Peers that restart on a busy machine: joining through the one live initial peer among stale ones, giving up in
+one line naming the addresses tried, and a monitor that listens on the same port after a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from hivemind.utils.serializer import MSGPackSerializer
+
+from common.identity import load_identity
+from common.metrics import MAX_RECORDS_PUBLISHED, PeerMetrics, StepRecord, records_to_publish
+from common.peer import ADDRESS_FILE, PORT_FILE
+from tests.helpers import PYTHON, ROOT, TINY_ALBERT, run_script
+
+STARTUP_SCRIPT = "scripts/experiments/startup_under_load.py"
+
+
+def _stale_address(port: int = 9) -> str:
+    with tempfile.TemporaryDirectory() as folder:
+        return f"/ip4/127.0.0.1/tcp/{port}/p2p/{load_identity(Path(folder) / 'identity.key').peer_id}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_restarted_peer_joins_through_its_one_live_initial_peer_on_a_busy_machine(tmp_path):
+    out = tmp_path / "result.json"
+    result = run_script(STARTUP_SCRIPT, "--tries", "2", "--hogs", "4", "--stale", "3", "--out", str(out), timeout=560)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(out.read_text())
+    assert measured["tries"] == 2
+    assert [row["exit_code"] for row in measured["rows"]] == [0, 0], measured["rows"]
+    assert all(row["tracebacks"] == 0 for row in measured["rows"]), measured["rows"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_giving_up_is_one_line_naming_every_address_tried(tmp_path):
+    load_identity(tmp_path / "identity.key")
+    stale = [_stale_address(9), _stale_address(7)]
+    started = time.monotonic()
+    result = run_script(STARTUP_SCRIPT, "--try", str(tmp_path), *stale, "--startup-deadline", "10", timeout=240)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert all(address in errors[0] for address in stale), errors[0]
+    assert "network.startup_deadline" in errors[0]
+    attempts = int(re.search(r"\((\d+) attempt\(s\)", errors[0]).group(1))
+    retries = [line for line in result.stderr.splitlines() if re.search(r"start-up attempt \d+ failed", line)]
+    assert len(retries) == attempts - 1, result.stderr[-3000:]  # one WARNING line per attempt that is retried
+    assert time.monotonic() - started < 200
+
+
+def _start_monitor(folder: Path) -> subprocess.Popen:
+    log = (folder / "monitor.log").open("ab")
+    return subprocess.Popen(
+        [
+            PYTHON,
+            "scripts/monitor.py",
+            "--config",
+            TINY_ALBERT,
+            f"training.output_dir={folder}",
+            "monitor.wandb_mode=disabled",
+            "monitor.checkpoint_every_steps=0",
+            "task.max_documents=500",
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _addresses_of(process: subprocess.Popen, folder: Path, timeout: float = 240) -> list:
+    deadline = time.monotonic() + timeout
+    while not (folder / ADDRESS_FILE).exists():
+        assert process.poll() is None, (folder / "monitor.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, (folder / "monitor.log").read_text()[-3000:]
+        time.sleep(0.5)
+    time.sleep(0.5)  # written in one call, but read it whole
+    return (folder / ADDRESS_FILE).read_text().split()
+
+
+def _stop(process: subprocess.Popen) -> int:
+    if process.poll() is None:
+        os.kill(process.pid, signal.SIGTERM)
+    try:
+        return process.wait(60)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_restarted_monitor_listens_where_it_did_and_publishes_the_same_addresses(tmp_path):
+    first = _start_monitor(tmp_path)
+    try:
+        before = _addresses_of(first, tmp_path)
+    finally:
+        assert _stop(first) == 0, (tmp_path / "monitor.log").read_text()[-3000:]
+    port = int((tmp_path / PORT_FILE).read_text())
+    assert all(f"/tcp/{port}/" in address for address in before), before
+    (tmp_path / ADDRESS_FILE).unlink()
+    second = _start_monitor(tmp_path)  # at once: the old listener's port may still be in TIME_WAIT
+    try:
+        after = _addresses_of(second, tmp_path)
+    finally:
+        assert _stop(second) == 0, (tmp_path / "monitor.log").read_text()[-3000:]
+    assert after == before
+    assert "Traceback" not in (tmp_path / "monitor.log").read_text()
+    listing = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
+    assert not listing.strip(), listing
+
+
+def test_peers_republish_the_records_of_the_last_span_within_a_size_that_forty_peers_can_share():
+    def record(step: int, seconds_apart: float = 10.0) -> StepRecord:
+        metrics = {name: 0.5 for name in ("mlm_loss", "sop_loss", "mlm_accuracy", "sop_accuracy", "grad_norm")}
+        return StepRecord(
+            step=step, samples=4096, loss=7.25, seconds=9.5, time=1e9 + seconds_apart * step, metrics=metrics
+        )
+
+    records = [record(step) for step in range(400)]
+    assert [kept.step for kept in records_to_publish(records, 1800)] == list(range(219, 400))  # 1800 s at 10 s a step
+    fast = [record(step, seconds_apart=1.0) for step in range(400)]
+    assert [kept.step for kept in records_to_publish(fast, 1800)] == list(range(400 - MAX_RECORDS_PUBLISHED, 400))
+    assert records_to_publish([], 1800) == []
+    value = PeerMetrics(peer_name="trainer-abcdef", role="trainer", recent=records_to_publish(fast, 1800)).dict()
+    assert 40 * len(MSGPackSerializer.dumps(value)) < 4 * 2**20  # hivemind's largest message
