@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import hivemind
 import torch
@@ -78,6 +78,18 @@ def prefill_optimizer_state(optimizer: torch.optim.Optimizer) -> torch.optim.Opt
 
 def _zero_counter(counter):
     return torch.zeros_like(counter) if isinstance(counter, torch.Tensor) else type(counter)(0)
+
+
+def averaged_buffers(model: torch.nn.Module) -> List[torch.Tensor]:
+    """The model's floating-point buffers (BatchNorm's running means and variances), in module order.
+
+    They are not parameters, so hivemind averages them only when handed over as ``extra_tensors``: then every state
+    averaging round averages them like the parameters, and a state download (a late joiner, the monitor's
+    checkpoint) carries them. Without that each trainer keeps the statistics of its own batches and the monitor,
+    which never runs a forward pass, checkpoints the initial ones. Integer buffers (BatchNorm's batch counters,
+    position ids) stay local: they are not meaningful averages.
+    """
+    return [buffer for buffer in model.buffers() if buffer.is_floating_point()]
 
 
 def make_compression(kind: Compression) -> CompressionBase:
@@ -158,6 +170,7 @@ def make_collaborative_optimizer(
         state_averaging_compression=compression,
         averager_opts=state_averager_opts,
         grad_averager_factory=grad_averager_factory,
+        extra_tensors=averaged_buffers(task.model),
         tracker_opts={"min_refresh_period": 0.2, "default_refresh_period": 1.0},
         verbose=True,  # status lines at INFO; common.lifecycle.setup_logging decides which loggers show them
     )

@@ -23,6 +23,7 @@ from common.export import facts_at_step
 from common.identity import peer_id_of_record_owner
 from common.lifecycle import StopFlag
 from common.metrics import HistoryWriter, PeerMetrics, StepAggregate, StepAggregator, metrics_key
+from common.optimizer import averaged_buffers
 from common.peer import read_join_command, start_peer_dht
 from common.task import EXPORT_DIR
 
@@ -136,6 +137,7 @@ class Monitor:
                 # the trainers' state averagers' prefix (with a moderated run's secret tag): they serve its state
                 prefix=f"{averaging_run_id(config.collaboration.run_id, authorizer)}_state_averager",
                 min_matchmaking_time=config.collaboration.matchmaking_time,
+                extra_tensors=averaged_buffers(self.task.model),  # the trainers' BatchNorm statistics
                 start=True,
             )
             self._restore_checkpoint()

@@ -345,6 +345,10 @@ def test_linear_eval_rejects_a_state_of_another_model(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_trainer_swarm_stays_in_sync(tmp_path):
+    """Two trainers and a monitor: parameters and BatchNorm running statistics agree between the trainers (the
+    statistics are averaged with the state), and the monitor's checkpoint holds trained statistics."""
+    from common.checkpoints import load_latest_checkpoint
+    from common.optimizer import averaged_buffers
     from common.swarm import LocalSwarm
 
     overrides = [
@@ -365,24 +369,38 @@ def test_two_trainer_swarm_stays_in_sync(tmp_path):
         "collaboration.averaging_timeout=60",
         "collaboration.next_chunk_timeout=30",
         "training.log_every_seconds=5",
+        "monitor.checkpoint_every_steps=2",
+        "monitor.wandb_mode=disabled",
     ]
     with LocalSwarm(TINY, tmp_path, overrides) as swarm:
-        swarm.start_first_peer("trainer", "trainer0", timeout=120)
+        swarm.start_first_peer("monitor", "monitor", timeout=120)
+        swarm.start("trainer", "trainer0")
         swarm.start("trainer", "trainer1")
-        finished = swarm.wait(["trainer0", "trainer1"], timeout=220)
+        finished = swarm.wait(["trainer0", "trainer1"], timeout=240)
         logs = {name: peer.log_tail(8) for name, peer in swarm.peers.items()}
         assert finished, logs
-        assert all(peer.process.returncode == 0 for peer in swarm.peers.values()), logs
+        assert all(swarm.peers[name].process.returncode == 0 for name in ("trainer0", "trainer1")), logs
     summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("trainer0", "trainer1")]
     assert [summary["global_steps"] for summary in summaries] == [6, 6]
     assert all(summary["samples"] > 0 for summary in summaries)  # both contributed
     states = [torch.load(tmp_path / name / "final_model.pt") for name in ("trainer0", "trainer1")]
     config = load_config(TINY)
     torch.manual_seed(config.training.seed)
-    initial = build_task(config, with_data=False).model.state_dict()
-    parameter_names = [name for name, _ in build_task(config, with_data=False).model.named_parameters()]
+    model = build_task(config, with_data=False).model
+    initial = model.state_dict()
+    parameter_names = [name for name, _ in model.named_parameters()]
     # fp16 wire compression of gradients and state averaging: peers agree to ~1e-3, far below how far they moved
     for name in parameter_names:
         torch.testing.assert_close(states[0][name], states[1][name], atol=2e-3, rtol=0, msg=name)
     moved = max(float((states[0][name] - initial[name]).abs().max()) for name in parameter_names)
     assert moved > 2e-2
+    buffer_ids = {id(buffer) for buffer in averaged_buffers(model)}
+    buffer_names = [name for name, buffer in model.named_buffers() if id(buffer) in buffer_ids]
+    assert any(name.endswith("running_var") for name in buffer_names) and len(buffer_names) > 10
+    # each trainer's batches give its own statistics; averaged with the state they agree to fp16's precision
+    for name in buffer_names:
+        torch.testing.assert_close(states[0][name], states[1][name], atol=5e-3, rtol=5e-3, msg=name)
+    checkpoint = load_latest_checkpoint(tmp_path / "monitor" / "checkpoints")
+    assert checkpoint is not None and checkpoint["step"] >= 2
+    trained = max(float((checkpoint["model"][name] - initial[name]).abs().max()) for name in buffer_names)
+    assert trained > 1e-2, "the monitor checkpointed the initial BatchNorm statistics"
