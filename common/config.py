@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
@@ -158,6 +159,12 @@ class CollaborationConfig:
         require(self.final_averaging_seconds >= 0, "collaboration.final_averaging_seconds must be >= 0")
         require(self.expected_peers >= 1, "collaboration.expected_peers must be >= 1")
         require(self.agreement_tolerance > 0, "collaboration.agreement_tolerance must be > 0")
+        # hivemind imports bitsandbytes only when the first averaging round runs: without it every round would fail
+        require(
+            self.compression != Compression.blockwise8bit or importlib.util.find_spec("bitsandbytes") is not None,
+            "collaboration.compression=blockwise8bit needs the bitsandbytes package, which is not installed here: "
+            "install it (pip install bitsandbytes) or use uniform8bit or fp16",
+        )
 
 
 @dataclass

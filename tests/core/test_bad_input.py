@@ -1,12 +1,14 @@
 """Bad input ends with one line naming the problem, a non-zero exit code, and no traceback."""
 
 import hashlib
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 from common.checkpoints import load_latest_checkpoint, read_state_file, save_checkpoint
+from common.config import load_config
 from common.errors import ConfigError, DataError
 from common.precision import resolve_precision
 from tests.helpers import ROOT, run_script
@@ -142,3 +144,10 @@ def test_export_of_a_corrupt_checkpoint_is_one_line_error(tmp_path):
         timeout=200,
     )
     assert_one_line_error(result, "is not a readable state file")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes is installed here")
+def test_blockwise8bit_without_bitsandbytes_is_refused_at_load():
+    with pytest.raises(ConfigError, match="compression=blockwise8bit needs the bitsandbytes package"):
+        load_config(TINY, ["collaboration.compression=blockwise8bit"])
+    assert load_config(TINY, ["collaboration.compression=uniform8bit"]).collaboration.compression == "uniform8bit"
