@@ -28,7 +28,8 @@ def test_paper_config_has_the_papers_recipe():
     assert task.learning_rate == pytest.approx(0.00176)
     assert list(task.betas) == [0.9, 0.999] and task.eps == pytest.approx(1e-6)
     assert task.weight_decay == pytest.approx(0.01) and task.max_grad_norm == pytest.approx(1.0)
-    assert (task.warmup_steps, task.total_steps) == (5000, 125000)
+    assert (task.warmup_steps, task.total_steps) == (5000, 1_000_000)  # the authors' max_steps
+    assert config.training.max_global_steps == 125_000
     assert config.collaboration.target_batch_size == 4096
     assert config.collaboration.averaging_timeout == pytest.approx(120.0)
     assert config.collaboration.compression is Compression.fp16
