@@ -102,13 +102,13 @@ def replay_single_process(config: RunConfig, records: List[dict], steps: int) ->
 
 
 def _replay(config: RunConfig, records: List[dict], steps: int) -> Dict[str, torch.Tensor]:
-    from albert.task import build_task
+    from common.config import import_task_module
     from common.precision import autocast, resolve_precision
 
     cpu = torch.device("cpu")
     precision = resolve_precision(config.training.precision, cpu, config.debug.fp16_on_cpu)
     torch.manual_seed(config.training.seed)
-    task = build_task(config)
+    task = import_task_module(config.task_module).build_task(config)
     backend = SingleProcessBackend(task, config.collaboration.target_batch_size)  # gradients arrive unscaled
     for step in range(steps):
         micro_batches = [batch for record in records if record["step"] == step for batch in record["micro_batches"]]
