@@ -61,11 +61,12 @@ def facts_at_step(
 ) -> ExportFacts:
     """The facts of weights that have been through ``step`` global steps, from the per-step rows a run recorded (a
     monitor's or single process's ``history.jsonl``, a trainer's ``steps.jsonl``): the loss and metrics of step
-    ``step - 1``, the last the weights were updated with (None when that step was not recorded yet), the samples
-    and contributors of the steps before ``step``. Rows of later steps (the history runs ahead of an older
-    checkpoint) are ignored. When steps are missing, ``samples`` is ``step * samples_per_step`` if given."""
+    ``step - 1``, the last the weights were updated with, or where the history has not reached it yet (a monitor
+    aggregates a step after the swarm took it) those of the last step recorded, named as such; the samples and
+    contributors of the steps before ``step``. Rows of later steps (the history runs ahead of an older checkpoint)
+    are ignored. When steps are missing, ``samples`` is ``step * samples_per_step`` if given."""
     recorded = {int(row["step"]): row for row in rows if 0 <= int(row["step"]) < step}
-    last = recorded.get(step - 1)
+    last = recorded[max(recorded)] if recorded else None
     contributors: dict = {}
     for row in recorded.values():
         shares = row.get("contributions") or ({row["peer"]: row.get("samples", 0)} if "peer" in row else {})
@@ -84,6 +85,7 @@ def facts_at_step(
         exported_by=exported_by,
         backend=backend,
         final_loss=last["loss"] if last is not None else None,
+        loss_step=int(last["step"]) if last is not None else None,
         metrics=dict(last.get("metrics", {})) if last is not None else {},
         contributors=sorted(contributors.values(), key=lambda row: -row["samples"]),
     )
@@ -109,10 +111,11 @@ def _contributor_lines(contributors: List[dict]) -> str:
 def model_card(model: nn.Module, facts: ExportFacts, card: CardText, has_tokenizer: bool) -> str:
     """The card: what the weights are, what they were trained on and for how long, by whom, and how to load them."""
     model_class = type(model).__name__
-    if facts.final_loss is not None:
-        loss = f"{facts.final_loss:.4f}"
-    else:
-        loss = f"not recorded (step {facts.global_step - 1} was not in the run's history when this was written)"
+    last_update = facts.global_step - 1
+    loss_step = last_update if facts.loss_step is None else facts.loss_step
+    loss = "not recorded" if facts.final_loss is None else f"{facts.final_loss:.4f}"
+    if loss_step != last_update:  # say so: it is not the loss of the step these weights come from
+        loss += f" (step {last_update}, these weights' last update, was not yet recorded when this was written)"
     metrics = "".join(f"| {name} | {value:.4f} |\n" for name, value in sorted(facts.metrics.items()))
     tags = "".join(f"- {tag}\n" for tag in (getattr(model.config, "model_type", None), *card.tags) if tag)
     pipeline = f"pipeline_tag: {card.pipeline_tag}\n" if card.pipeline_tag else ""
@@ -153,7 +156,7 @@ updated with.
 | training backend | {facts.backend} |
 | global steps | {facts.global_step} |
 | samples | {facts.samples} |
-| training loss of global step {facts.global_step - 1} | {loss} |
+| training loss of global step {loss_step} | {loss} |
 {metrics}
 ### Contributors
 

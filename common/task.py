@@ -36,6 +36,7 @@ class ExportFacts:
     exported_by: str  # e.g. "trainer peer-0 at the end of its run", "monitor on checkpoint 20"
     backend: str  # collaborative | single | ddp
     final_loss: Optional[float] = None  # training loss of the last recorded global step
+    loss_step: Optional[int] = None  # the step final_loss is of; None: global_step - 1, the weights' last update
     metrics: Dict[str, float] = field(default_factory=dict)  # that step's task metrics (e.g. MLM accuracy)
     contributors: List[Dict[str, object]] = field(default_factory=list)  # {"peer", "samples", "steps"} rows
 
