@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, List, Optional
 
 import torch
 from lightly.loss import SwaVLoss
 from timm.optim import Lars
 
+from common.checkpoints import read_state_file
 from common.config import RunConfig, require
 from common.errors import ConfigError
-from common.task import Batch, DatasetTask, StepOutput
+from common.task import Batch, DatasetTask, ExportFacts, StepOutput
 from swav.data import FASHION_MNIST, FASHION_MNIST_DIR, MultiCropDataset, MultiCropSpec, crop_key, open_images
-from swav.model import RESNET50, SMALL_RESNET, SwavModel
+from swav.model import RESNET50, SMALL_RESNET, SwavModel, build_trunk
 
 logger = logging.getLogger(__name__)
+EXPORT_TRUNK_FILE = "trunk.pt"
+EXPORT_MODEL_FILE = "swav_model.pt"
 
 
 @dataclass
@@ -237,6 +242,36 @@ class SwavTask(DatasetTask):
     def on_global_step(self, model: torch.nn.Module, global_step: int) -> None:
         model.prototypes.normalize()
         self._observe_global_step(model, global_step)
+
+    def export_pretrained(self, model: torch.nn.Module, folder: Path, facts: ExportFacts) -> Optional[Path]:
+        """The trunk as SwAV releases it (a ResNet state dict without classifier, BatchNorm statistics included:
+        ``trunk.pt``), the whole model with head and prototypes (``swav_model.pt``) and a card; written beside the
+        folder and swapped in, so a reader never sees half of it."""
+        folder = Path(folder)
+        staging = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        torch.save(model.trunk.state_dict(), staging / EXPORT_TRUNK_FILE)
+        torch.save(model.state_dict(), staging / EXPORT_MODEL_FILE)
+        loss = "n/a" if facts.final_loss is None else f"{facts.final_loss:.4f}"
+        (staging / "README.md").write_text(
+            f"# SwAV {self.config.arch} ({facts.run_id})\n\n"
+            f"Self-supervised SwAV pretraining, {facts.backend} backend: global step {facts.global_step}, "
+            f"{facts.samples} samples, training loss {loss}; exported by {facts.exported_by}.\n\n"
+            f"`{EXPORT_TRUNK_FILE}`: the trunk's state dict (no classifier; BatchNorm running statistics averaged "
+            f"across the swarm). `{EXPORT_MODEL_FILE}`: trunk, projection head and {self.config.num_prototypes} "
+            "prototypes. Reload with `swav.task.load_exported_trunk(folder, config.task)`.\n"
+        )
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
+        return folder
+
+
+def load_exported_trunk(folder: Path, config: TaskConfig) -> torch.nn.Module:
+    """A freshly built trunk of the configured architecture with an exported ``trunk.pt`` loaded (strictly)."""
+    trunk, _ = build_trunk(config.arch, config.small_widths, config.small_blocks)
+    trunk.load_state_dict(read_state_file(Path(folder) / EXPORT_TRUNK_FILE, weights_only=True))
+    return trunk
 
 
 def build_task(run_config: RunConfig, with_data: bool = True) -> SwavTask:

@@ -18,10 +18,11 @@ from PIL import Image
 from common.backends import SingleProcessBackend
 from common.config import load_config
 from common.errors import ConfigError, DataError
+from common.task import ExportFacts
 from common.trainer import Trainer
 from swav.data import FASHION_MNIST_DIR, crop_key, load_fashion_mnist, open_images
 from swav.linear_eval import evaluate, knn_top1, load_model
-from swav.task import build_task, learning_rate
+from swav.task import build_task, learning_rate, load_exported_trunk
 from tests.helpers import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -317,6 +318,23 @@ def test_trainer_warns_when_the_loop_waits_on_multi_crop(tmp_path, caplog, thres
     warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
     assert bool(warnings) == warns, warnings
     assert all("training.dataloader_workers (now 0)" in message for message in warnings)
+
+
+def test_export_holds_the_trunk_with_its_batchnorm_statistics(tmp_path):
+    task = tiny_task()
+    with torch.no_grad():  # statistics a training run would have left
+        for module in task.model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.running_mean.normal_()
+                module.running_var.uniform_(0.5, 2.0)
+    facts = ExportFacts(run_id="swav_tiny", global_step=3, samples=192, exported_by="a test", backend="single")
+    folder = task.export_pretrained(task.model, tmp_path / "hf_model", facts)
+    trunk = load_exported_trunk(folder, task.config)
+    expected = task.model.trunk.state_dict()
+    assert trunk.state_dict().keys() == expected.keys()
+    assert all(torch.equal(value, expected[name]) for name, value in trunk.state_dict().items())
+    assert "global step 3" in (folder / "README.md").read_text()
+    assert not (tmp_path / "hf_model.partial").exists()
 
 
 def test_knn_votes_for_nearest_labels():
