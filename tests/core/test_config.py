@@ -24,7 +24,7 @@ def test_paper_config_has_the_papers_recipe():
     task = config.task
     assert (task.hidden_size, task.num_hidden_layers, task.num_attention_heads) == (1024, 24, 16)
     assert (task.intermediate_size, task.embedding_size, task.vocab_size) == (4096, 128, 30000)
-    assert task.max_seq_length == 512
+    assert task.max_seq_length == 512 and task.short_seq_probability == 0.0  # as the authors' example builder
     assert task.learning_rate == pytest.approx(0.00176)
     assert list(task.betas) == [0.9, 0.999] and task.eps == pytest.approx(1e-6)
     assert task.weight_decay == pytest.approx(0.01) and task.max_grad_norm == pytest.approx(1.0)
