@@ -41,12 +41,15 @@ diagnostics in common/tools/allreduce.py log its internals, in the benchmark's o
 21. :func:`gradient_rounds_start_at_the_update` -- with delayed gradient averaging, the next round forms its group
     while the previous one still runs, and the previous round's end makes the averager turn the new group's early
     parts away, so most rounds average only part of the gradient over the whole group.
+22. :func:`verify_state_downloads` -- a state download carries no checksum, so a receiver loads whatever it
+    assembled; each donor now sends per-tensor digests and each receiver checks them before use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import traceback
 import types
@@ -56,6 +59,7 @@ from typing import Callable
 import hivemind
 import numpy as np
 import torch
+from hivemind.p2p import P2PHandlerError
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -65,7 +69,7 @@ PINNED_VERSION = "1.1.12"  # the hivemind release every patch here is written ag
 # Raise it whenever a patch changes what peers send each other or how they treat each other's messages: peers of
 # one run must run the same patch set over the same hivemind (``software_fingerprint``, checked by
 # ``common.backends.require_same_model``).
-PATCH_SET_VERSION = "2026.12.1"
+PATCH_SET_VERSION = "2026.12.2"
 
 
 def require_pinned_hivemind() -> None:
@@ -741,6 +745,11 @@ def gradient_rounds_start_at_the_update(optimizer: hivemind.Optimizer) -> None:
 STREAM_LINGER_SECONDS = 30.0
 
 
+class StreamCutShort(P2PHandlerError):
+    """A p2p stream that ended without its end marker (:func:`deliver_whole_streams`): what arrived is incomplete.
+    A ``P2PHandlerError``, so that hivemind's matchmaking and all-reduce treat it as a failed peer."""
+
+
 def deliver_whole_streams() -> None:
     """End every p2p stream with an end marker, and close a served stream only once its caller has read it all.
 
@@ -756,15 +765,21 @@ def deliver_whole_streams() -> None:
     Here the handler sends hivemind's own end-of-stream marker after its last response and then waits (at most
     ``STREAM_LINGER_SECONDS``) for the caller to close; a caller stops at the marker and closes at once. Both sides
     must run this patch (every peer of this project does, via ``common.dht.start_dht``): a caller without it would
-    take the marker for an error, a handler without it still ends with a plain close. Errors are sent with a
-    non-empty message so that none reads as the marker. Patched on ``P2P`` before the DHT and averager processes
-    are forked (they inherit it); calling it again does nothing.
+    take the marker for an error. A stream that ends without the marker was cut short (the serving process died or
+    its connection broke) and raises :class:`StreamCutShort`: hivemind reads such an end as a complete stream, so a
+    state download from a donor killed mid-transfer assembled its last tensor from the parts that had arrived
+    (``shape '[4000, 64]' is invalid for input of size 131072``: 8 of its 16 64-KiB parts), or silently lacked the
+    tensors after it (issue 46; ``scripts/experiments/state_download_faults.py``). Errors are sent with a non-empty
+    message so that none reads as the marker. It also installs :func:`verify_state_downloads`, the other half of
+    this project's wire protocol, so that a peer speaking one speaks both. Patched on ``P2P`` before the DHT and
+    averager processes are forked (they inherit it); calling it again does nothing.
     """
     from contextlib import closing, suppress
 
-    from hivemind.p2p.p2p_daemon import P2P, P2PContext, P2PHandlerError
+    from hivemind.p2p.p2p_daemon import P2P, P2PContext
     from hivemind.proto.p2pd_pb2 import RPCError
 
+    verify_state_downloads()
     if getattr(P2P, "_delivers_whole_streams", False):
         return
 
@@ -840,8 +855,11 @@ def deliver_whole_streams() -> None:
                     while True:
                         try:
                             response, error = await P2P.receive_protobuf(output_protobuf_type, reader)
-                        except asyncio.IncompleteReadError:  # no marker: an unpatched handler, or one that died
-                            break
+                        except asyncio.IncompleteReadError:
+                            raise StreamCutShort(
+                                f"the stream of handler `{name}` at {peer_id} ended before its end marker: the peer "
+                                "stopped or its connection broke mid-stream"
+                            ) from None
                         if error == P2P.END_OF_STREAM:
                             break
                         if error is not None:
@@ -857,3 +875,125 @@ def deliver_whole_streams() -> None:
     P2P._add_protobuf_stream_handler = add_protobuf_stream_handler
     P2P._iterate_protobuf_stream_handler = iterate_protobuf_stream_handler
     P2P._delivers_whole_streams = True
+
+
+def verify_state_downloads() -> None:
+    """Serve every state download with per-tensor digests, and use a downloaded state only if it matches them.
+
+    hivemind's state download carries no checksum: whatever a receiver assembles from the parts it got is loaded
+    (issue 46: a donor killed mid-transfer left a tensor of half its size, the run saw it only because the size
+    was wrong). Here the donor's background thread -- hivemind's own, which hands the averager process the state to
+    stream -- adds digests to the state's metadata, computed over a snapshot once per served step
+    (``common.state_integrity``), and serves that snapshot; the receiver's ``_load_state_from_peers`` is hivemind's
+    loop with the check before it deserializes: a state that does not match, or comes without digests (a peer of
+    another protocol), is one WARNING line and the next peer is asked, as is a stream cut short
+    (:class:`StreamCutShort`). Everything that loads state goes through it: trainers, auxiliary peers and the
+    monitor's checkpoints. Both sides must run it (every peer of this project does: :func:`deliver_whole_streams`
+    installs it). Upstream hivemind has no state checksum as of 1.1.12; remove this when it gets one.
+    Patched before any averager is built (its thread is started in its constructor) or forked; calling it again
+    does nothing.
+    """
+    from hivemind.averaging import averager as averager_module
+    from hivemind.averaging.averager import DecentralizedAverager
+    from hivemind.compression import deserialize_torch_tensor
+    from hivemind.p2p import PeerID
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import aiter_with_timeout
+    from hivemind.utils.streaming import combine_from_streaming
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    from common import state_integrity
+
+    if getattr(DecentralizedAverager, "_verifies_state_downloads", False):
+        return
+    averager_logger = logging.getLogger("hivemind.averaging.averager")
+
+    def _background_thread_fetch_current_state(serializer, pipe, get_current_state_ref):
+        """hivemind's thread (host process), serving a snapshot of the state with its digests."""
+        served = None
+        while True:
+            try:
+                trigger, future = pipe.recv()
+            except BaseException as error:
+                averager_logger.debug(f"Averager background thread finished: {error!r}")
+                break
+            if trigger == "_SHUTDOWN":
+                break
+            try:
+                get_current_state = get_current_state_ref()
+                if get_current_state is None:
+                    break
+                averager = get_current_state.__self__
+                state = tuple(get_current_state())
+                del get_current_state
+                metadata, tensors, infos = state + (None,) * (3 - len(state))
+                with averager.lock_averaged_tensors:
+                    served = state_integrity.served_state(
+                        served, serializer.dumps(metadata), metadata, tensors, infos, averager.state_compression
+                    )
+                del averager, tensors
+                metadata = serializer.dumps(state_integrity.with_digests(metadata, served.digests))
+                future.set_result((metadata, served.tensors, infos))
+            except BaseException as error:
+                future.set_exception(error)
+                averager_logger.warning(f"could not serve this peer's state: {error!r}")
+
+    async def _load_state_from_peers(self, future, timeout=None):
+        """hivemind 1.1.12's download loop; the state is checked against its digests before it is used."""
+        if timeout is not None:
+            timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        try:
+            key_manager = self._matchmaking.group_key_manager
+            peer_priority, _ = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True) or ({}, None)
+            peer_priority = {
+                PeerID(peer_id): (float(info.value), random.random())  # randomness breaks ties
+                for peer_id, info in peer_priority.items()
+                if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
+            }
+            if not peer_priority:
+                averager_logger.info(f"Averager could not load state from peers: peer dict empty {peer_priority}")
+                return
+            for peer in sorted(peer_priority.keys(), key=peer_priority.get, reverse=True):
+                if peer == self.peer_id:
+                    continue
+                started = time.monotonic()
+                averager_logger.info(f"Downloading parameters from peer {peer}")
+                try:
+                    stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+                    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+                    metadata, serialized, parts = None, [], []
+                    async for message in aiter_with_timeout(stream, timeout=timeout):
+                        if message.metadata:
+                            metadata = self.serializer.loads(message.metadata)
+                        if message.tensor_part.dtype and parts:  # the first part of the next tensor
+                            serialized.append(combine_from_streaming(parts))
+                            parts = []
+                        parts.append(message.tensor_part)
+                    if parts:
+                        serialized.append(combine_from_streaming(parts))
+                    if not metadata:
+                        averager_logger.debug(f"Peer {peer} did not send its state")
+                        continue
+                    problem = state_integrity.state_problem(metadata, serialized)
+                    if problem is not None:
+                        averager_logger.warning(
+                            f"state downloaded from peer {peer} not used: {problem}; asking the next peer"
+                        )
+                        continue
+                    tensors = [deserialize_torch_tensor(tensor) for tensor in serialized]
+                    averager_logger.info(
+                        f"Finished downloading state in {time.monotonic() - started:.3f}s from {peer} (verified)"
+                    )
+                    future.set_result((state_integrity.without_digests(metadata), tensors))
+                    return
+                except StreamCutShort as error:
+                    averager_logger.warning(f"state download from peer {peer} not used: {error}; asking the next peer")
+                except Exception as error:
+                    averager_logger.exception(f"{STATE_DOWNLOAD_FAILED}{peer} - {error!r}")
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    averager_module._background_thread_fetch_current_state = _background_thread_fetch_current_state
+    DecentralizedAverager._load_state_from_peers = _load_state_from_peers
+    DecentralizedAverager._verifies_state_downloads = True
