@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
@@ -67,6 +67,14 @@ def plot_history(history: List[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
+def swarm_used_share(summaries: Iterable[dict]) -> Optional[float]:
+    """Of every sample the trainers computed, the share that entered a global step (None before any)."""
+    computed = used = 0
+    for summary in summaries:
+        computed, used = computed + summary["samples"], used + summary["samples_used"]
+    return used / computed if computed else None
+
+
 def build_report(
     run_dir: Path, trainer_names: List[str], monitor_name: str, wall_seconds: float, agreement_tolerance: float
 ) -> Dict:
@@ -100,6 +108,10 @@ def build_report(
         "params_agree": None if difference is None else difference <= agreement_tolerance,
         "samples_per_second": {name: summary["samples_per_second"] for name, summary in summaries.items()},
         "samples_contributed": contributions,
+        # compute utilisation: the share of computed samples that entered a global step, and of time computing
+        "used_share": {name: summary["used_share"] for name, summary in summaries.items()},
+        "compute_share": {name: summary["compute_share"] for name, summary in summaries.items()},
+        "swarm_used_share": swarm_used_share(summaries.values()),
         "wall_seconds": wall_seconds,
     }
     (run_dir / "summary.json").write_text(json.dumps(report, indent=2))
@@ -120,11 +132,14 @@ def format_report(report: Dict) -> str:
         if name in report["metrics_first"]:
             lines.append(f"{name}: {report['metrics_first'][name]:.3f} -> {report['metrics_last'][name]:.3f}")
     lines.append(f"trainers per step: {report['peers_per_step']}")
-    lines.append("peer         samples  samples/s")
+    lines.append("peer         samples  samples/s  used  computing")
     for name in sorted(report["samples_per_second"]):
         lines.append(
             f"{name:<12} {report['samples_contributed'].get(name, 0):>7}  {report['samples_per_second'][name]:>9.1f}"
+            f"  {report['used_share'][name]:>4.0%}  {report['compute_share'][name]:>9.0%}"
         )
+    if report["swarm_used_share"] is not None:
+        lines.append(f"computed samples that entered a global step: {report['swarm_used_share']:.1%}")
     difference = report["max_param_diff"]
     verdict = "same" if report["params_agree"] else "DIFFERENT"
     lines.append(

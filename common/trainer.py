@@ -75,13 +75,31 @@ class TrainingSummary:
     overflow_discards: int = 0  # fp16: times the loss scaler skipped this process's gradients (common/precision.py)
     loss_scale: Optional[float] = None  # fp16: the final loss scale
     peak_memory_mb: float = 0.0  # CUDA: peak allocated on the device; CPU: the process's peak resident set
+    # of ``samples`` (computed), those in global steps this peer took part in: the rest were dropped when the swarm's
+    # state replaced this peer's accumulated gradients (a missed round, a reload) or an fp16 overflow discarded them
+    samples_used: int = 0
 
     @property
     def samples_per_second(self) -> float:
         return self.samples / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
+    @property
+    def used_share(self) -> float:
+        """Compute utilisation: the share of this peer's computed samples that entered a global step."""
+        return self.samples_used / self.samples if self.samples else 0.0
+
+    @property
+    def compute_share(self) -> float:
+        """The share of this peer's wall time spent computing gradients (the rest: start-up, waiting, averaging)."""
+        return self.compute_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
     def to_json(self) -> dict:
-        return {**self.__dict__, "samples_per_second": self.samples_per_second}
+        return {
+            **self.__dict__,
+            "samples_per_second": self.samples_per_second,
+            "used_share": self.used_share,
+            "compute_share": self.compute_share,
+        }
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -262,10 +280,12 @@ class Trainer:
             overflow_discards=self.backend.overflow_discards,
             loss_scale=self.backend.loss_scale,
             peak_memory_mb=peak_memory_mb(self.device),
+            samples_used=sum(record.samples for record in self.records),
         )
         logger.info(
             f"stopped ({stopped_by}) at global step {summary.global_steps}: {summary.samples} samples, "
-            f"{summary.samples_per_second:.1f} samples/s"
+            f"{summary.samples_per_second:.1f} samples/s, {summary.used_share:.0%} of them in global steps, "
+            f"{summary.compute_share:.0%} of the time computing"
         )
         return summary
 

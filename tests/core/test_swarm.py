@@ -71,6 +71,13 @@ def test_three_trainers_aux_and_monitor_train_together(tmp_path, tiny_overrides)
     assert all(count >= steps // 2 for count in averaged.values()), averaged
     assert report["max_param_diff"] < FP16_TOLERANCE and report["params_agree"]
     assert f"(same within {FP16_TOLERANCE:.1e})" in format_report(report)
+    # compute utilisation: what each trainer computed, less what a reload dropped, is what its step records carry
+    for name, summary in zip(trainers, summaries):
+        recorded = sum(entry["samples"] for entry in read_jsonl(tmp_path / name / "steps.jsonl"))
+        assert summary["samples_used"] == recorded <= summary["samples"]
+        assert report["used_share"][name] == summary["samples_used"] / summary["samples"] > 0
+        assert 0 < report["compute_share"][name] < 1
+    assert "computed samples that entered a global step" in format_report(report)
     finals = {
         name: (tmp_path / name / "peer.log").read_text().count("averaging the final parameters") for name in trainers
     }
