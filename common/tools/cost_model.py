@@ -34,6 +34,7 @@ Preemptible nodes: with ``interruptions_per_hour`` r and ``restart_minutes`` m, 
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -195,6 +196,36 @@ def load_setup(path: str | Path) -> SetupConfig:
 
 def load_task_spec(path: str | Path) -> TaskSpec:
     return _load_structured(TaskSpec, Path(path))
+
+
+@dataclass(frozen=True)
+class MeasuredThroughput:
+    """One GPU's measured samples/s per task spec: a trainer node group's ``samples_per_second`` and its source."""
+
+    device: str
+    samples_per_second: Dict[str, float]
+    source: str  # for ``NodeGroup.throughput_source``
+
+
+def load_measured_throughput(path: str | Path) -> MeasuredThroughput:
+    """The ``cost_model`` entry of a GPU checks' results.json (scripts/experiments/gpu_throughput.py): our loop's
+    samples/s per task spec, measured after the first global step, in the precision the device trains at."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"measured throughput file not found: {path}")
+    try:
+        results = json.loads(path.read_text())
+        entry = results["cost_model"]
+        rates = {str(task): float(rate) for task, rate in entry["samples_per_second"].items()}
+        device, precision, loop = str(entry["device"]), str(entry["precision"]), str(entry["loop"])
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise DataError(f"{path} is not a GPU checks' results.json with a cost_model entry ({error!r})") from None
+    if not rates or not all(np.isfinite(rate) and rate > 0 for rate in rates.values()):
+        raise DataError(f"{path}: cost_model.samples_per_second must give each task a rate > 0 (got {rates})")
+    if results.get("tiny"):
+        raise DataError(f"{path} holds a smoke run of the tiny configs, not the paper's models")
+    source = f"measured: {device}, {precision}, {loop} loop, {results.get('date', 'date not recorded')} ({path.name})"
+    return MeasuredThroughput(device=device, samples_per_second=rates, source=source)
 
 
 # ----------------------------------------------------------------------------------------------- all-reduce
