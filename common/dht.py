@@ -8,6 +8,7 @@ import logging
 import shlex
 import socket
 import time
+from concurrent.futures import InvalidStateError
 from typing import List, Optional, Sequence, Union
 
 import hivemind
@@ -48,10 +49,12 @@ def start_dht(
     record_validators: Sequence = (),
     authorizer: Optional[AuthorizerBase] = None,
     kept_port: Optional[int] = None,
+    stop=None,
 ) -> hivemind.DHT:
     """Start this process's DHT node (must run in the main thread: hivemind requires it). With an ``authorizer``
     (``common.auth``), DHT requests and responses carry access tokens and unauthorized peers are refused.
-    ``kept_port``: listen there instead of on a port chosen by the system (``tcp/0``), unless it is taken.
+    ``kept_port``: listen there instead of on a port chosen by the system (``tcp/0``), unless it is taken. ``stop``
+    (a ``common.lifecycle.StopFlag``): a SIGINT/SIGTERM between two attempts ends the process with exit code 0.
 
     A busy machine may start the p2p daemon slowly and initial peers may be gone (a peer that restarted on another
     port leaves a dead address behind): the start and the bootstrap are retried with backoff (one WARNING line per
@@ -70,6 +73,7 @@ def start_dht(
     close_averager_p2p_on_shutdown()
     finish_abandoned_executor_maps()
     check_identity_within(network.daemon_start_timeout)
+    log_rounds_finished_after_cancel_in_one_line()
     deadline = time.monotonic() + network.startup_deadline
     host_maddrs = list(network.host_maddrs)
     if kept_port is not None:
@@ -104,11 +108,38 @@ def start_dht(
                 f"last failure: {failure}"
             )
         logger.warning(f"start-up attempt {attempt} failed ({failure}); retrying in {delay:.0f} s")
-        time.sleep(delay)
+        if stop is not None and (stop.is_set() or stop.wait(delay)):
+            logger.info("stopped before joining the swarm")
+            raise SystemExit(0)
+        if stop is None:
+            time.sleep(delay)
     problem = unrouted_addresses_problem(initial_peers if initial_peers else visible_multiaddrs(dht))
     if problem is not None:
         logger.warning(problem)
     return dht
+
+
+class _RoundFinishedAfterCancel(logging.Filter):
+    """hivemind's averager sets the result of an all-reduce round on its step future without checking whether the
+    optimizer cancelled that step meanwhile (an auxiliary peer's pre-scheduled round it no longer needs, a peer
+    stopping): ``InvalidStateError: Can't set_result to a future that is CANCELLED`` escapes the round's task, and
+    asyncio logs it as "Task exception was never retrieved" with a traceback. Nothing is lost: nobody waits for that
+    result. One INFO line instead; every other unretrieved exception keeps its level and traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, InvalidStateError) and "CANCELLED" in str(error):
+            record.msg, record.args = "an averaging round finished after its step was cancelled: result dropped", ()
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def log_rounds_finished_after_cancel_in_one_line() -> None:
+    """Install :class:`_RoundFinishedAfterCancel` on asyncio's logger (before hivemind's processes are forked)."""
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(existing, _RoundFinishedAfterCancel) for existing in asyncio_logger.filters):
+        asyncio_logger.addFilter(_RoundFinishedAfterCancel())
 
 
 def port_is_free(port: int) -> bool:

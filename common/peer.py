@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import subprocess
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import hivemind
 import torch
 import yaml
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
 from hivemind.utils.auth import AuthorizerBase
 
 from common import startup
@@ -166,13 +168,14 @@ def start_peer_dht(
     join_script: str,
     config_path: str,
     authorizer: Optional[AuthorizerBase] = None,
+    stop: Optional[StopFlag] = None,
 ) -> hivemind.DHT:
     """Start the DHT with the metrics validators, save the resolved config, write our addresses, and log the
     command a volunteer on another machine pastes to join (the volunteer command in a moderated run)."""
     validators: List = make_validators(config.collaboration.run_id, RSASignatureValidator())
     keeps_port = config.network.keep_port and not config.network.client_mode and not config.network.announce_maddrs
     dht = start_dht(
-        config.network, validators, authorizer, kept_port=read_kept_port(output_dir) if keeps_port else None
+        config.network, validators, authorizer, kept_port=read_kept_port(output_dir) if keeps_port else None, stop=stop
     )
     startup.mark("DHT bootstrap")
     logger.info(f"peer id {dht.peer_id} (identity {config.network.identity_path})")
@@ -184,33 +187,85 @@ def start_peer_dht(
     if not config.network.client_mode:
         serve_bandwidth_probe(dht)  # joining peers may measure their link against us
         addresses = visible_multiaddrs(dht)
-        (output_dir / JOIN_COMMAND_FILE).unlink(missing_ok=True)  # a previous run's command may be stale
         if addresses and all(in_unrouted_range(address) for address in addresses):
             # peers on this machine can still join through loopback, which libp2p routes
             loopback = [str(address) for address in dht.get_visible_maddrs() if "/ip4/127." in str(address)]
             (output_dir / ADDRESS_FILE).write_text("\n".join(addresses + loopback) + "\n")
-            logger.warning(
-                f"no join command: this peer's only addresses for other machines ({', '.join(addresses)}) are in "
-                f"ranges reserved for documentation or benchmarks, through which volunteers cannot find each other; "
-                f"announce an address they can dial: network.announce_maddrs='[/ip4/PUBLIC_OR_PRIVATE_IP/tcp/PORT]' "
-                f"with network.host_maddrs='[/ip4/0.0.0.0/tcp/PORT]'"
-            )
-            return dht
-        (output_dir / ADDRESS_FILE).write_text("\n".join(addresses) + "\n")
-        server_url = getattr(authorizer, "server_url", None)
-        command = join_command(
-            addresses,
-            "scripts/volunteer.py" if server_url else join_script,
-            portable_config_path(config_path),
-            run_overrides(config, config_path),
-            server_url,
-        )
-        clone = clone_command()
-        lines = [command] if clone is None else [clone, command]
-        (output_dir / JOIN_COMMAND_FILE).write_text("\n".join(lines) + "\n")
-        where = "from a clone of this repository" if clone is None else "the first line gets this code"
-        logger.info(f"to join this run, a volunteer runs ({where}):\n  " + "\n  ".join(lines))
+        else:
+            (output_dir / ADDRESS_FILE).write_text("\n".join(addresses) + "\n")
+        write_join_command(output_dir, config, config_path, join_script, addresses, authorizer)
     return dht
+
+
+def write_join_command(
+    output_dir: Path,
+    config: RunConfig,
+    config_path: str,
+    join_script: str,
+    addresses: Sequence[str],
+    authorizer: Optional[AuthorizerBase] = None,
+    entry_addresses: Sequence[str] = (),
+) -> Optional[List[str]]:
+    """Write (and log) the lines a volunteer pastes: the clone of this code, then the join command through this
+    peer's ``addresses`` and other entry peers' ``entry_addresses``. None, with one WARNING line, when this peer's
+    addresses are all in ranges through which volunteers cannot find each other."""
+    if addresses and all(in_unrouted_range(address) for address in addresses):
+        (output_dir / JOIN_COMMAND_FILE).unlink(missing_ok=True)  # a previous run's command may be stale
+        logger.warning(
+            f"no join command: this peer's only addresses for other machines ({', '.join(addresses)}) are in "
+            f"ranges reserved for documentation or benchmarks, through which volunteers cannot find each other; "
+            f"announce an address they can dial: network.announce_maddrs='[/ip4/PUBLIC_OR_PRIVATE_IP/tcp/PORT]' "
+            f"with network.host_maddrs='[/ip4/0.0.0.0/tcp/PORT]'"
+        )
+        return None
+    server_url = getattr(authorizer, "server_url", None)
+    command = join_command(
+        [*addresses, *(address for address in entry_addresses if address not in addresses)],
+        "scripts/volunteer.py" if server_url else join_script,
+        portable_config_path(config_path),
+        run_overrides(config, config_path),
+        server_url,
+    )
+    clone = clone_command()
+    lines = [command] if clone is None else [clone, command]
+    partial = output_dir / f"{JOIN_COMMAND_FILE}.partial"  # replaced whole: readers never see it half-written
+    partial.write_text("\n".join(lines) + "\n")
+    os.replace(partial, output_dir / JOIN_COMMAND_FILE)
+    where = "from a clone of this repository" if clone is None else "the first line gets this code"
+    logger.info(f"to join this run, a volunteer runs ({where}):\n  " + "\n  ".join(lines))
+    return lines
+
+
+def entry_peers_key(run_id: str) -> str:
+    """Where peers that accept connections for the whole run (auxiliary peers) announce their addresses."""
+    return f"{run_id}_entry_peers"
+
+
+def announce_entry_peer(dht: hivemind.DHT, run_id: str, addresses: Sequence[str], lifetime: float) -> None:
+    """Announce ``addresses`` as a way into the run for ``lifetime`` seconds (signed: only we can replace them)."""
+    dht.store(
+        key=entry_peers_key(run_id),
+        subkey=RSASignatureValidator().local_public_key,
+        value=list(addresses),
+        expiration_time=get_dht_time() + lifetime,
+        return_future=True,
+    )
+
+
+def read_entry_peers(dht: hivemind.DHT, run_id: str, timeout: float = 10.0) -> List[str]:
+    """The addresses the run's live entry peers announced (none if the DHT does not answer in ``timeout`` s)."""
+    try:
+        entry = dht.get(entry_peers_key(run_id), latest=True, return_future=True).result(timeout=timeout)
+    except Exception as error:  # a slow or ending DHT: the join command keeps the addresses it had
+        logger.info(f"could not read the entry peers ({type(error).__name__}); keeping the join command")
+        return []
+    if entry is None or not isinstance(entry.value, dict):
+        return []
+    found = []
+    for item in entry.value.values():
+        if isinstance(item.value, list):
+            found += [address for address in item.value if isinstance(address, str) and address.startswith("/")]
+    return sorted(set(found))
 
 
 CLONE_FOLDER = "dedloc"

@@ -21,10 +21,11 @@ from hivemind.utils.auth import AuthorizerBase
 
 from common.auth import averaging_run_id
 from common.config import RunConfig, import_task_module
+from common.dht import visible_multiaddrs
 from common.errors import PeerError
 from common.lifecycle import StopFlag
 from common.optimizer import make_collaborative_optimizer
-from common.peer import start_peer_dht
+from common.peer import announce_entry_peer, start_peer_dht
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,10 @@ POLL_SECONDS = 0.05
 # After SIGINT/SIGTERM, the round in progress gets this long to finish; then the peer leaves without waiting for
 # rounds nobody will join (at the end of a run it would otherwise block for collaboration.averaging_timeout).
 LEAVE_WITHIN_SECONDS = 5.0
+# an auxiliary peer accepts connections for the whole run: it announces its addresses as a way in (the monitor lists
+# them in its join command) this often, each announcement valid for ENTRY_LIFETIME_SECONDS
+ENTRY_ANNOUNCE_SECONDS = 30.0
+ENTRY_LIFETIME_SECONDS = 90.0
 
 
 def leave_promptly_when_stopped(
@@ -66,7 +71,7 @@ def run_auxiliary(
         raise PeerError("an auxiliary peer must accept inbound connections: set network.client_mode=false")
     torch.set_num_threads(config.training.num_threads)
     output_dir = Path(config.training.output_dir)
-    dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer)
+    dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer, stop)
     optimizer = None
     finished, leaving = threading.Event(), threading.Event()
 
@@ -90,7 +95,11 @@ def run_auxiliary(
         optimizer = make_collaborative_optimizer(dht, task, collab, None, auxiliary=True)
         started, steps_seen, last_epoch = time.time(), 0, optimizer.local_epoch
         logger.info("auxiliary peer running: assisting in averaging")
+        entry_addresses, next_announcement = visible_multiaddrs(dht), 0.0
         while not stop.is_set():
+            if time.monotonic() >= next_announcement:
+                announce_entry_peer(dht, config.collaboration.run_id, entry_addresses, ENTRY_LIFETIME_SECONDS)
+                next_announcement = time.monotonic() + ENTRY_ANNOUNCE_SECONDS
             optimizer.step()
             if optimizer.local_epoch != last_epoch:
                 steps_seen += 1

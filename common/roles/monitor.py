@@ -18,19 +18,21 @@ from common.auth import averaging_run_id
 from common.checkpoints import load_latest_checkpoint, save_checkpoint
 from common.config import RunConfig, import_task_module, to_container
 from common.dashboard import start_dashboard
+from common.dht import visible_multiaddrs
 from common.errors import PeerError
 from common.export import facts_at_step
 from common.identity import peer_id_of_record_owner
 from common.lifecycle import StopFlag
 from common.metrics import HistoryWriter, PeerMetrics, StepAggregate, StepAggregator, metrics_key
 from common.optimizer import averaged_buffers
-from common.peer import read_join_command, start_peer_dht
+from common.peer import read_entry_peers, read_join_command, start_peer_dht, write_join_command
 from common.task import EXPORT_DIR
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_RETRY_MAX_SECONDS = 16.0
 FINAL_POLL_SECONDS = 5.0  # the last look for records while stopping
 DHT_ALIVE_CHECK_SECONDS = 1.0  # how often a wait for the DHT's answer checks that its process still runs
+ENTRY_PEERS_REFRESH_SECONDS = 30.0  # how often the join command is brought up to date with the live entry peers
 
 
 class MetricsLogger:
@@ -118,7 +120,10 @@ class Monitor:
         self.leaderboard = Leaderboard(self.output_dir / "leaderboard.json", resumed)
         rows = self.leaderboard.rows.values()
         self.dashboard = start_dashboard(config, self.output_dir, resumed, self.checkpoint_dir, rows)
-        self.dht = start_peer_dht(config, self.output_dir, "scripts/train.py", config_path, authorizer)
+        self.config_path, self.authorizer = config_path, authorizer
+        self.dht = start_peer_dht(config, self.output_dir, "scripts/train.py", config_path, authorizer, stop)
+        self.entry_addresses: list = []  # other entry peers' addresses the join command lists
+        self.next_entry_refresh = time.monotonic() + ENTRY_PEERS_REFRESH_SECONDS
         if self.dashboard is not None:
             self.dashboard.state.join_command = read_join_command(self.output_dir)
             self.dashboard.publish(self.leaderboard.rows.values())
@@ -262,6 +267,28 @@ class Monitor:
             self.dashboard.checkpoint_saved(step, path)
         self.export(step)
 
+    def maybe_refresh_join_command(self) -> None:
+        """List the live auxiliary peers' addresses in the join command beside ours: a volunteer joins through any
+        of them, so the command outlives a monitor that is down."""
+        if self.config.network.client_mode or time.monotonic() < self.next_entry_refresh:
+            return
+        self.next_entry_refresh = time.monotonic() + ENTRY_PEERS_REFRESH_SECONDS
+        entries = read_entry_peers(self.dht, self.config.collaboration.run_id)
+        if entries == self.entry_addresses:
+            return
+        self.entry_addresses = entries
+        lines = write_join_command(
+            self.output_dir,
+            self.config,
+            self.config_path,
+            "scripts/train.py",
+            visible_multiaddrs(self.dht),
+            self.authorizer,
+            entries,
+        )
+        if lines is not None and self.dashboard is not None:
+            self.dashboard.state.join_command = read_join_command(self.output_dir)
+
     def export(self, step: int) -> None:
         """The checkpointed weights in the task's ecosystem format (a Hugging Face folder for ALBERT), rewritten
         at every checkpoint; the card states that step's facts from the history and every contributor up to it. A
@@ -289,6 +316,7 @@ class Monitor:
                     raise PeerError("the monitor's DHT process ended unexpectedly: restart the monitor")
                 self.publish_ready()
                 self.maybe_checkpoint()
+                self.maybe_refresh_join_command()
         finally:
             if not self.poll(timeout=FINAL_POLL_SECONDS):
                 logger.info("the DHT process has already ended (the stop signal reached the whole process group)")

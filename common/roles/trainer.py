@@ -60,7 +60,7 @@ def build_backend(
         from common.ddp import DDPBackend  # imported lazily: only the baseline needs torch.distributed
 
         return DDPBackend(task, config, precision)
-    dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer)
+    dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer, stop)
     fingerprints = RunFingerprints.of(task)
     try:
         require_same_model(dht, config.collaboration.run_id, fingerprints, task.input_mismatch_advice)

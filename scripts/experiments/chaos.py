@@ -43,6 +43,18 @@ TRACEBACK_MARKERS = (
 )
 
 
+def git_state() -> dict:
+    """The commit this run starts from, and the tracked files changed since (other sessions edit this checkout)."""
+
+    def git(*arguments: str) -> str:
+        return subprocess.run(["git", *arguments], cwd=ROOT, capture_output=True, text=True).stdout
+
+    return {
+        "commit": git("rev-parse", "HEAD").strip(),
+        "uncommitted": git("status", "--porcelain", "-uno").splitlines(),
+    }
+
+
 def read_steps(path: Path) -> list:
     if not path.exists():
         return []
@@ -100,6 +112,11 @@ class Chaos:
         with self.swarm:
             self.swarm.start_first_peer("monitor", "monitor", timeout=300)
             self.start("auxiliary", "aux")
+            deadline = time.monotonic() + 300
+            while not (self.run_dir / "aux" / ADDRESS_FILE).exists():  # volunteers come once both are listed
+                if not self.swarm.peers["aux"].alive() or time.monotonic() > deadline:
+                    raise UserError(f"the auxiliary peer did not start: {self.swarm.peers['aux'].log_tail(5)}")
+                time.sleep(1)
             for name in self.trainers:
                 self.start("trainer", name)
             started = time.monotonic()
@@ -184,9 +201,7 @@ def summarize(chaos: Chaos, run_dir: Path, args, wall_seconds: float) -> dict:
         "command": " ".join(["python", "scripts/experiments/chaos.py", *args.argv]),
         "machine": f"{platform.node()}: {os.cpu_count()}-core CPU container, no GPU",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
+        **args.git_state,
         "wall_seconds": round(wall_seconds),
         "faults": len(chaos.faults),
         "faults_by_kind": kinds,
@@ -224,6 +239,7 @@ def main() -> None:
     stop = StopFlag().install()
     if args.run_dir.exists() and any(args.run_dir.iterdir()):
         raise UserError(f"{args.run_dir} is not empty: give a new --run-dir")
+    args.git_state = git_state()
     chaos = Chaos(args, args.run_dir, stop)
     started = time.monotonic()
     chaos.run()

@@ -30,6 +30,18 @@ ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger("startup_under_load")
 
 
+def git_state() -> dict:
+    """The commit this run starts from, and the tracked files changed since (other sessions edit this checkout)."""
+
+    def git(*arguments: str) -> str:
+        return subprocess.run(["git", *arguments], cwd=ROOT, capture_output=True, text=True).stdout
+
+    return {
+        "commit": git("rev-parse", "HEAD").strip(),
+        "uncommitted": git("status", "--porcelain", "-uno").splitlines(),
+    }
+
+
 def _network(initial_peers, identity_path, **options):
     from common.config import NetworkConfig
 
@@ -150,9 +162,7 @@ def measure(args) -> dict:
         "command": " ".join(["python", "scripts/experiments/startup_under_load.py", *sys.argv[1:]]),
         "machine": f"{platform.node()}: {os.cpu_count()}-core CPU container, no GPU",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
+        **args.git_state,
         "hogs": args.hogs,
         "stale_initial_peers": args.stale,
         "live_initial_peers": 1,
@@ -180,6 +190,7 @@ def main() -> None:
         return serve(args.serve)
     if args.try_folder is not None:
         return one_try(Path(args.try_folder[0]), args.try_folder[1:], args.startup_deadline)
+    args.git_state = git_state()
     result = measure(args)
     text = json.dumps(result, indent=2)
     if args.out is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import tempfile
@@ -17,8 +18,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from common.identity import load_identity
 from common.metrics import MAX_RECORDS_PUBLISHED, PeerMetrics, StepRecord, records_to_publish
-from common.peer import ADDRESS_FILE, PORT_FILE
-from tests.helpers import PYTHON, ROOT, TINY_ALBERT, run_script
+from common.peer import ADDRESS_FILE, JOIN_COMMAND_FILE, PORT_FILE
+from common.swarm import LocalSwarm
+from tests.helpers import PYTHON, ROOT, TINY_ALBERT, assert_no_processes_left, run_script
 
 STARTUP_SCRIPT = "scripts/experiments/startup_under_load.py"
 
@@ -80,11 +82,12 @@ def _start_monitor(folder: Path) -> subprocess.Popen:
     )
 
 
-def _addresses_of(process: subprocess.Popen, folder: Path, timeout: float = 240) -> list:
+def _addresses_of(process: subprocess.Popen, folder: Path, timeout: float = 240, log: Path = None) -> list:
+    log = log or folder / "monitor.log"
     deadline = time.monotonic() + timeout
     while not (folder / ADDRESS_FILE).exists():
-        assert process.poll() is None, (folder / "monitor.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, (folder / "monitor.log").read_text()[-3000:]
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
     time.sleep(0.5)  # written in one call, but read it whole
     return (folder / ADDRESS_FILE).read_text().split()
@@ -138,3 +141,33 @@ def test_peers_republish_the_records_of_the_last_span_within_a_size_that_forty_p
     assert records_to_publish([], 1800) == []
     value = PeerMetrics(peer_name="trainer-abcdef", role="trainer", recent=records_to_publish(fast, 1800)).dict()
     assert 40 * len(MSGPackSerializer.dumps(value)) < 4 * 2**20  # hivemind's largest message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(720)
+def test_the_join_command_lists_the_auxiliary_peer_and_a_volunteer_joins_through_it_while_the_monitor_is_down(
+    tmp_path, tiny_overrides
+):
+    with LocalSwarm(TINY_ALBERT, tmp_path, [*tiny_overrides, "training.max_global_steps=1000"]) as swarm:
+        swarm.start_first_peer("monitor", "monitor", timeout=300)
+        swarm.start("auxiliary", "aux")
+        aux_addresses = _addresses_of(swarm.peers["aux"].process, tmp_path / "aux", log=tmp_path / "aux/peer.log")
+        join_file = tmp_path / "monitor" / JOIN_COMMAND_FILE
+        deadline = time.monotonic() + 240
+        while not all(address in join_file.read_text() for address in aux_addresses):
+            assert time.monotonic() < deadline, join_file.read_text()
+            assert swarm.peers["monitor"].alive(), swarm.peers["monitor"].log_tail(20)
+            time.sleep(1)
+        listed = shlex.split(join_file.read_text().strip().splitlines()[-1])
+        listed = listed[listed.index("--initial-peers") + 1 :]
+        listed = [item for item in listed if item.startswith("/")]
+        assert set(aux_addresses) < set(listed), listed  # the monitor's own addresses and the auxiliary peer's
+        swarm.stop("monitor", graceful=False)
+        swarm.initial_peers = listed  # as a volunteer pastes them, the monitor's now dead
+        swarm.start("trainer", "volunteer")
+        _addresses_of(swarm.peers["volunteer"].process, tmp_path / "volunteer", log=tmp_path / "volunteer/peer.log")
+        swarm.stop_many(["volunteer", "aux"])
+        assert all(swarm.peers[name].process.returncode == 0 for name in ("volunteer", "aux"))
+    logs = "".join((tmp_path / name / "peer.log").read_text() for name in ("monitor", "aux", "volunteer"))
+    assert "Traceback" not in logs
+    assert_no_processes_left(tmp_path)
