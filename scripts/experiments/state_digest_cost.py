@@ -245,6 +245,7 @@ def main() -> None:
             machine=f"{platform.machine()} container, {os.cpu_count()} CPU cores shared with other jobs, no GPU, "
             "torch on 1 thread",
             date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            load_average_1min_at_end=round(os.getloadavg()[0], 1),
             rows=rows,
         )
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -295,7 +295,7 @@ def run_trial(index: int, args, workdir: Path) -> dict:
     try:
         good = _start(["_donor", "--fault", "none", "--priority", "1", *common_args], workdir / f"t{index}_good.log")
         processes.append(good)
-        address = _read_line(good, "READY ", 120)
+        address = _read_line(good, "READY ", args.start_timeout)
         donors = []
         for rank, fault in enumerate(faults):
             priority = str(len(faults) + 1 - rank)
@@ -304,7 +304,7 @@ def run_trial(index: int, args, workdir: Path) -> dict:
             processes.append(donor)
             donors.append(donor)
         for donor in donors:
-            _read_line(donor, "READY ", 120)
+            _read_line(donor, "READY ", args.start_timeout)
         newcomers = []
         for number in range(args.newcomers):
             role_args = ["_newcomer", "--donors", str(len(faults) + 1), "--initial-peers", address, *common_args]
@@ -344,6 +344,7 @@ def summarize(trials) -> dict:
     }
     return dict(
         trials=len(trials),
+        trials_not_run=sum("not_run" in trial for trial in trials),
         downloads=len(outcomes),
         outcomes={outcome: outcomes.count(outcome) for outcome in sorted(set(outcomes))},
         refusals={kind: sum(text in line for line in warnings) for kind, text in kinds.items()},
@@ -375,7 +376,8 @@ def main() -> None:
     parser.add_argument("--max-after-parts", type=int, default=60, help="a fault strikes after 2..N parts")
     parser.add_argument("--load-timeout", type=float, default=60)
     parser.add_argument("--attempts", type=int, default=3, help="download attempts per newcomer")
-    parser.add_argument("--newcomer-timeout", type=float, default=240)
+    parser.add_argument("--start-timeout", type=float, default=300, help="seconds for a donor to start serving")
+    parser.add_argument("--newcomer-timeout", type=float, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", type=Path, help="keep every peer's log here (default: a temporary folder)")
     parser.add_argument("--out", type=Path, help="JSON artefact (every trial, the command, machine and date)")
@@ -393,19 +395,30 @@ def main() -> None:
         workdir = args.log_dir or workdir
         Path(workdir).mkdir(parents=True, exist_ok=True)
         for index in range(args.trials):
-            trial = run_trial(index, args, Path(workdir))
+            try:
+                trial = run_trial(index, args, Path(workdir))
+            except RuntimeError as error:  # a donor that did not start in time: no download was tried
+                trial = dict(trial=index, not_run=str(error)[:300], newcomers=[])
+                logger.warning(f"trial {index + 1}/{args.trials} not run: {error}")
+            else:
+                logger.info(
+                    f"trial {index + 1}/{args.trials} ({trial['seconds']} s, faults in order {trial['order']}, "
+                    f"after {trial['after_parts']} parts): "
+                    + ", ".join(newcomer["outcome"] for newcomer in trial["newcomers"])
+                )
             trials.append(trial)
-            logger.info(
-                f"trial {index + 1}/{args.trials} ({trial['seconds']} s, faults in order {trial['order']}, after "
-                f"{trial['after_parts']} parts): " + ", ".join(newcomer["outcome"] for newcomer in trial["newcomers"])
-            )
+            write_artefact(args, trials)  # after every trial, so that a stopped loop keeps what it ran
+    logger.info(f"summary: {json.dumps(summarize(trials))}")
+
+
+def write_artefact(args, trials) -> None:
     summary = summarize(trials)
-    logger.info(f"summary: {json.dumps(summary)}")
     if args.out is not None:
         artefact = dict(
             command="python " + " ".join([str(Path(sys.argv[0])), *sys.argv[1:]]),
             machine=f"{platform.machine()} container, {os.cpu_count()} CPU cores, no GPU",
             date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            load_average_1min_at_end=round(os.getloadavg()[0], 1),
             protocol=args.protocol,
             summary=summary,
             trials=trials,

@@ -118,3 +118,23 @@ def test_a_stream_whose_server_dies_mid_stream_raises_instead_of_ending():
             await server.shutdown()
 
     assert asyncio.run(talk()) == [b"0", b"1", b"2"]
+
+
+@pytest.mark.timeout(120)
+def test_every_peer_dht_installs_the_verified_download():
+    """Trainers, auxiliary peers and the monitor (whose checkpoints and exports are written from what its
+    ``TrainingStateAverager.load_state_from_peers`` loaded) all start their DHT through ``start_dht``."""
+    from hivemind.averaging import averager as averager_module
+    from hivemind.averaging.averager import DecentralizedAverager
+
+    from common.config import NetworkConfig
+    from common.dht import start_dht
+
+    dht = start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    try:
+        assert DecentralizedAverager._load_state_from_peers.__qualname__.startswith("verify_state_downloads.")
+        fetch = averager_module._background_thread_fetch_current_state
+        assert fetch.__qualname__.startswith("verify_state_downloads.")
+        assert P2P._iterate_protobuf_stream_handler.__qualname__.startswith("deliver_whole_streams.")
+    finally:
+        dht.shutdown()
