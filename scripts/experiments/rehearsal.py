@@ -1,0 +1,439 @@
+"""Dress rehearsal of the paper configs at their real model and input shapes, on this machine's CPU.
+
+For each config: the data is prepared once (time and peak RSS measured), then a monitor and 2 trainers (sahajBERT:
+client-mode trainers plus one auxiliary peer, as in the paper's run) take ``--steps`` global steps with small local
+and target batches; the monitor checkpoints every step and exports; the export is reloaded and compared with the
+checkpoint; a late joiner downloads the swarm's state (served by the monitor) and is compared with the checkpoint.
+The DDP baseline runs as torchrun with 2 workers, checkpoints, exports the checkpoint and resumes from it.
+
+Overrides are only batch sizes, step counts, data location (offline stand-ins: Wikipedia leads, Fashion-MNIST
+written as PNG files, the Bengali stand-ins) and, because this machine has no GPU, ``training.precision=auto``
+(fp32 on a CPU), SwAV's loader workers (1 instead of 8 per trainer: this machine's memory) and the tokenizer (the
+hub's albert-large-v2 tokenizer is unreachable: one is trained on the corpus with the same 30,000 pieces).
+
+  python scripts/experiments/rehearsal.py --output paper_results/fullscale            # every config
+  python scripts/experiments/rehearsal.py --configs swav_resnet50 --output outputs/r  # one
+
+Results: ``<output>/rehearsal.csv`` (one row per config) and ``rehearsal.json`` (with commands, logs' tails, the
+machine and date); peer folders under ``--runs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import logging
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import _bootstrap  # noqa: F401  (repository root on sys.path)
+import torch
+
+from common.checkpoints import CHECKPOINT_DIR, list_checkpoints, read_state_file
+from common.config import load_config
+from common.optimizer import averaged_buffers
+from common.swarm import LocalSwarm
+from common.task import EXPORT_DIR
+from common.tools.comparison import torchrun_command
+
+logger = logging.getLogger("rehearsal")
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+COLUMNS = [
+    "config",
+    "model",
+    "inputs",
+    "peers",
+    "steps",
+    "s_per_step",
+    "data_prep_s",
+    "data_prep_peak_rss_mb",
+    "trainer_peak_rss_mb",
+    "monitor_peak_rss_mb",
+    "checkpoint_mb",
+    "state_download_mb_fp16",
+    "export_reloaded",
+    "export_max_abs_diff",
+    "late_joiner_step",
+    "late_joiner_max_abs_diff",
+    "batchnorm_trained",
+    "wall_s",
+    "status",
+]
+PNG_IMAGES = 640  # Fashion-MNIST train images written as an ImageFolder (10 class folders)
+
+
+@dataclass
+class Rehearsal:
+    name: str
+    config: str
+    model: str
+    inputs: str
+    overrides: List[str]
+    ddp: bool = False
+    auxiliary: bool = False  # trainers in client mode need a full peer in each averaging group
+    peer_overrides: Dict[str, List[str]] = field(default_factory=dict)
+
+
+def rehearsals(data_dir: Path) -> Dict[str, Rehearsal]:
+    common = ["training.precision=auto", "training.max_global_steps={steps}", "monitor.wandb_mode=disabled"]
+    albert_data = ["task.corpus=offline_wikipedia", "task.tokenizer=train"]
+    bengali = [
+        "task.stream.sources=[.cache/bengali/wikipedia_standin,.cache/bengali/oscar_standin]",
+        "task.stream.source_configs=[null,null]",
+    ]
+    swarm = ["collaboration.expected_peers=2", "monitor.checkpoint_every_steps=1"]
+    return {
+        "albert_large": Rehearsal(
+            "albert_large",
+            "configs/albert/paper.yaml",
+            "ALBERT-large (hidden 1024, 24 layers, vocab 30,000)",
+            "seq 512",
+            [*common, *albert_data, *swarm, "training.local_batch_size=1", "collaboration.target_batch_size=2"],
+        ),
+        "albert_large_ddp": Rehearsal(
+            "albert_large_ddp",
+            "configs/albert/baseline_paper.yaml",
+            "ALBERT-large, torch DDP (gloo) x 2 workers",
+            "seq 512",
+            [
+                *common,
+                *albert_data,
+                "training.local_batch_size=1",
+                "collaboration.target_batch_size=2",
+                "training.checkpoint_every_steps=1",
+            ],
+            ddp=True,
+        ),
+        "swav_resnet50": Rehearsal(
+            "swav_resnet50",
+            "configs/swav/paper.yaml",
+            "SwAV ResNet-50 + [2048, 2048, 128] head + 3,000 prototypes",
+            "2x224 + 6x96 crops",
+            [
+                *common,
+                *swarm,
+                f"task.dataset={data_dir / 'fashion_mnist_png'}",
+                "training.local_batch_size=2",
+                # the config's 8 loader processes per trainer are sized for a GPU host; 3 peers x 8 on this shared
+                # 2-core, 23 GB machine ran it out of memory (the kernel killed a trainer)
+                "training.dataloader_workers=1",
+                "collaboration.target_batch_size=4",
+            ],
+        ),
+        "sahajbert": Rehearsal(
+            "sahajbert",
+            "configs/sahajbert/paper.yaml",
+            "ALBERT-large (vocab 32,000), client-mode trainers + 1 auxiliary",
+            "seq 512",
+            [*common, *bengali, *swarm, "training.local_batch_size=1", "collaboration.target_batch_size=2"],
+            auxiliary=True,
+            peer_overrides={"monitor": ["network.client_mode=false"], "aux": ["network.client_mode=false"]},
+        ),
+    }
+
+
+def write_fashion_mnist_pngs(folder: Path, count: int) -> Path:
+    """Fashion-MNIST train images as PNG files in an ImageNet-layout folder (one folder per class)."""
+    from PIL import Image
+
+    from swav.data import FASHION_MNIST_CLASSES, load_fashion_mnist
+
+    if folder.is_dir() and len(list(folder.glob("*/*.png"))) == count:
+        return folder
+    images, labels = load_fashion_mnist("train")
+    for index in range(count):
+        class_folder = folder / FASHION_MNIST_CLASSES[labels[index]].replace("/", "_").replace(" ", "_")
+        class_folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(images[index]).save(class_folder / f"{index:05d}.png")
+    return folder
+
+
+def peak_rss_mb(pid: int) -> Optional[float]:
+    """The process's peak resident set so far (VmHWM), while it runs."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def prepare_data(rehearsal: Rehearsal, overrides: List[str], log: Path) -> tuple:
+    """Build the task with its data once in a child process (tokenizer, examples, image index), as each
+    volunteer does before contributing: wall seconds and the child's peak RSS (MB)."""
+    code = (
+        "import sys; sys.path.insert(0, '.');"
+        "from common.config import load_config, import_task_module;"
+        f"config = load_config({rehearsal.config!r}, {overrides!r});"
+        "import_task_module(config.task_module).build_task(config);"
+        "import resource; print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    started = time.monotonic()
+    with log.open("wb") as stream:
+        result = subprocess.run([PYTHON, "-c", code], cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, timeout=3600)
+    seconds = time.monotonic() - started
+    if result.returncode != 0:
+        raise RuntimeError(f"data preparation failed (exit {result.returncode}): see {log}")
+    peak_kib = [
+        line.split()[1] for line in log.read_text(errors="replace").splitlines() if line.startswith("PEAK_RSS_KB")
+    ]
+    return seconds, int(peak_kib[-1]) / 1024
+
+
+def max_abs_diff(first: dict, second: dict, names) -> float:
+    return max(float((first[name].float() - second[name].float()).abs().max()) for name in names)
+
+
+def state_download_mb(checkpoint: dict) -> float:
+    """What a joiner downloads with fp16 state compression: parameters, averaged buffers, optimizer statistics."""
+    tensors = [value for value in checkpoint["model"].values() if value.is_floating_point()]
+    for state in checkpoint["optimizer"]["state"].values():
+        tensors += [value for value in state.values() if torch.is_tensor(value) and value.numel() > 1]
+    return sum(tensor.numel() for tensor in tensors) * 2 / 2**20
+
+
+def check_export(rehearsal: Rehearsal, config, folder: Path, checkpoint: dict) -> float:
+    """Reload the exported model and return its largest difference from the checkpoint's weights."""
+    if config.task_module == "swav":
+        from swav.task import load_exported_trunk
+
+        trunk = load_exported_trunk(folder, config.task).state_dict()
+        reference = {
+            name[len("trunk.") :]: value for name, value in checkpoint["model"].items() if name.startswith("trunk.")
+        }
+        return max_abs_diff(trunk, reference, [name for name, value in trunk.items() if value.is_floating_point()])
+    from transformers import AlbertForPreTraining
+
+    exported = AlbertForPreTraining.from_pretrained(str(folder)).state_dict()
+    names = [name for name in checkpoint["model"] if name in exported and exported[name].is_floating_point()]
+    return max_abs_diff(exported, checkpoint["model"], names)
+
+
+def batchnorm_trained(config, checkpoint: dict) -> str:
+    """For models with BatchNorm: did the checkpoint's running statistics move from their initial values?"""
+    from common.config import import_task_module
+
+    torch.manual_seed(config.training.seed)
+    model = import_task_module(config.task_module).build_task(config, with_data=False).model
+    ids = {id(buffer) for buffer in averaged_buffers(model)}
+    names = [name for name, buffer in model.named_buffers() if id(buffer) in ids]
+    if not names:
+        return "no BatchNorm"
+    moved = max_abs_diff(checkpoint["model"], model.state_dict(), names)
+    return f"yes ({moved:.3g})" if moved > 1e-3 else f"NO ({moved:.3g})"
+
+
+def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: float, row: dict) -> None:
+    peaks: Dict[str, float] = {}
+
+    def sample(swarm: LocalSwarm) -> None:
+        for name, peer in swarm.peers.items():
+            value = peak_rss_mb(peer.process.pid)
+            if value is not None:
+                peaks[name] = max(peaks.get(name, 0.0), value)
+
+    config_path = str(ROOT / rehearsal.config)
+    with LocalSwarm(config_path, folder, overrides) as swarm:
+        swarm.start_first_peer("monitor", "monitor", rehearsal.peer_overrides.get("monitor", []), timeout=600)
+        if rehearsal.auxiliary:
+            swarm.start("auxiliary", "aux", rehearsal.peer_overrides.get("aux", []))
+        trainers = ["trainer0", "trainer1"]
+        for name in trainers:
+            swarm.start("trainer", name)
+        finished = swarm.wait(trainers, timeout, on_tick=lambda: sample(swarm), tick_seconds=2.0)
+        sample(swarm)
+        failed = [name for name in trainers if not finished or swarm.peers[name].process.returncode != 0]
+        problems = [f"{name} exit {swarm.peers[name].process.returncode}" for name in failed]
+        checkpoints = list_checkpoints(folder / "monitor" / "checkpoints")
+        deadline = time.monotonic() + 120
+        while not checkpoints or int(checkpoints[-1].stem.split("_")[1]) < row["steps_target"]:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(2)
+            checkpoints = list_checkpoints(folder / "monitor" / "checkpoints")
+        # the late joiner: the trainers have left, the monitor serves its checkpoint's state
+        swarm.start("trainer", "late", ["collaboration.expected_peers=1"])
+        joined = swarm.wait(["late"], timeout / 2, on_tick=lambda: sample(swarm), tick_seconds=2.0)
+        late_ok = joined and swarm.peers["late"].process.returncode == 0
+        swarm.stop("monitor")
+        if rehearsal.auxiliary:
+            swarm.stop("aux")
+    row["trainer_peak_rss_mb"] = round(max(peaks.get(name, 0.0) for name in trainers))
+    row["monitor_peak_rss_mb"] = round(peaks.get("monitor", 0.0))
+    if rehearsal.auxiliary:
+        row["monitor_peak_rss_mb"] = f"{row['monitor_peak_rss_mb']} (aux {round(peaks.get('aux', 0.0))})"
+    steps = [json.loads(line) for line in (folder / "trainer0" / "steps.jsonl").read_text().splitlines()]
+    row["steps"] = max((step["step"] + 1 for step in steps), default=0)
+    row["s_per_step"] = round(sum(step["seconds"] for step in steps) / max(len(steps), 1), 1)
+    checkpoints = list_checkpoints(folder / "monitor" / "checkpoints")
+    if not checkpoints:
+        row["status"] = "; ".join([*problems, "no monitor checkpoint"])
+        return
+    checkpoint = read_state_file(checkpoints[-1])
+    config = load_config(config_path, overrides)
+    fill_checkpoint_columns(rehearsal, config, row, checkpoints[-1], checkpoint, folder / "monitor" / EXPORT_DIR)
+    if late_ok:
+        late = read_state_file(folder / "late" / "final_model.pt")
+        row["late_joiner_step"] = json.loads((folder / "late" / "summary.json").read_text())["global_steps"]
+        names = [name for name, value in checkpoint["model"].items() if value.is_floating_point()]
+        row["late_joiner_max_abs_diff"] = f"{max_abs_diff(late, checkpoint['model'], names):.3g}"
+    else:
+        row["late_joiner_step"] = "failed: " + swarm.peers["late"].log_tail(2).replace("\n", " | ")
+    if not late_ok:
+        problems.append("late joiner failed")
+    if row["export_reloaded"] != "yes":
+        problems.append("export not reloaded")
+    row["status"] = "; ".join(problems) or "ok"
+
+
+def fill_checkpoint_columns(rehearsal, config, row: dict, path: Path, checkpoint: dict, export_dir: Path) -> None:
+    row["checkpoint_mb"] = round(path.stat().st_size / 2**20, 1)
+    row["state_download_mb_fp16"] = round(state_download_mb(checkpoint), 1)
+    row["batchnorm_trained"] = batchnorm_trained(config, checkpoint)
+    try:
+        difference = check_export(rehearsal, config, export_dir, checkpoint)
+        row["export_reloaded"] = "yes"
+        row["export_max_abs_diff"] = f"{difference:.3g}"
+    except Exception as error:  # any failure to reload is what this column reports
+        row["export_reloaded"] = f"no: {type(error).__name__}: {error}"[:200]
+
+
+def run_ddp(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: float, row: dict) -> None:
+    config_path = str(ROOT / rehearsal.config)
+    run_overrides = [*overrides, f"training.output_dir={folder / 'run'}"]
+    peak = 0.0
+    for attempt in ("train", "resume"):
+        command = [*torchrun_command(2, config_path), *run_overrides]
+        log = (folder / f"{attempt}.log").open("wb")
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        started = time.monotonic()
+        try:
+            while process.poll() is None:
+                if time.monotonic() - started > timeout:
+                    raise TimeoutError(f"torchrun ({attempt}) ran past {timeout:.0f} s")
+                children = subprocess.run(["pgrep", "-g", str(process.pid)], capture_output=True, text=True)
+                workers = [int(pid) for pid in children.stdout.split() if int(pid) != process.pid]  # not torchrun
+                peak = max([peak, *(peak_rss_mb(pid) or 0.0 for pid in workers)])
+                time.sleep(2)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+        if process.returncode != 0:
+            row["status"] = f"torchrun ({attempt}) exit {process.returncode}: see {folder / f'{attempt}.log'}"
+            return
+    row["trainer_peak_rss_mb"] = round(peak)
+    row["monitor_peak_rss_mb"] = "none (DDP)"
+    resumed = (folder / "resume.log").read_text(errors="replace")
+    row["late_joiner_step"] = "resumed" if "resumed from" in resumed else "did not resume"
+    workers = sorted((folder / "run").glob("*/steps.jsonl"))
+    steps = [json.loads(line) for line in workers[0].read_text().splitlines()] if workers else []
+    row["steps"] = len(steps)
+    row["s_per_step"] = round(sum(step["seconds"] for step in steps) / max(len(steps), 1), 1)
+    checkpoints = list_checkpoints(folder / "run" / CHECKPOINT_DIR)
+    if not checkpoints:
+        row["status"] = "no checkpoint"
+        return
+    export_dir = folder / "export"
+    result = subprocess.run(
+        [PYTHON, "scripts/export_model.py", "--config", config_path, "--checkpoint", str(checkpoints[-1])]
+        + ["--output", str(export_dir), *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    checkpoint = read_state_file(checkpoints[-1])
+    config = load_config(config_path, overrides)
+    fill_checkpoint_columns(rehearsal, config, row, checkpoints[-1], checkpoint, export_dir)
+    if result.returncode != 0:
+        row["export_reloaded"] = f"no: export exit {result.returncode}: {result.stderr.strip()[-150:]}"
+    row["late_joiner_max_abs_diff"] = "n/a (DDP resumes from its checkpoint)"
+    row["status"] = "ok" if row["late_joiner_step"] == "resumed" and row["export_reloaded"] == "yes" else "incomplete"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--configs", nargs="*", default=["swav_resnet50", "albert_large", "albert_large_ddp", "sahajbert"]
+    )
+    parser.add_argument("--steps", type=int, default=2, help="global steps of each rehearsal")
+    parser.add_argument("--output", default="paper_results/fullscale", help="folder of rehearsal.csv/json")
+    parser.add_argument("--runs", default="outputs/rehearsal", help="peer folders, logs, checkpoints")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds each swarm may take")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    output, runs = Path(args.output), Path(args.runs).resolve()
+    output.mkdir(parents=True, exist_ok=True)
+    all_rehearsals = rehearsals(runs / "data")
+    unknown = [name for name in args.configs if name not in all_rehearsals]
+    if unknown:
+        sys.stderr.write(f"error: unknown rehearsal {unknown[0]!r} (choose from {', '.join(all_rehearsals)})\n")
+        sys.exit(2)
+    write_fashion_mnist_pngs(runs / "data" / "fashion_mnist_png", PNG_IMAGES)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    facts = {
+        "command": shlex.join([sys.executable.split("/")[-1], *sys.argv]),
+        "machine": f"{platform.machine()} CPU container, {os.cpu_count()} cores, no GPU (shared with other work)",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit.stdout.strip(),
+        "rows": [],
+    }
+    csv_path, json_path = output / "rehearsal.csv", output / "rehearsal.json"
+    previous = json.loads(json_path.read_text()) if json_path.exists() else {"rows": []}
+    rows = {row["config"]: row for row in previous.get("rows", [])}
+    for name in args.configs:
+        rehearsal = all_rehearsals[name]
+        overrides = [override.format(steps=args.steps) for override in rehearsal.overrides]
+        folder = runs / name
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+        folder.mkdir(parents=True)
+        row = {column: "" for column in COLUMNS}
+        row.update(config=rehearsal.config, model=rehearsal.model, inputs=rehearsal.inputs, steps_target=args.steps)
+        row["peers"] = (
+            "2 DDP workers" if rehearsal.ddp else "monitor + 2 trainers" + (" + aux" if rehearsal.auxiliary else "")
+        )
+        started = time.monotonic()
+        logger.info(f"{name}: preparing data")
+        try:
+            prep_overrides = [override for override in overrides if not override.startswith("training.max_global")]
+            seconds, rss = prepare_data(rehearsal, prep_overrides, folder / "data_prep.log")
+            row["data_prep_s"], row["data_prep_peak_rss_mb"] = round(seconds, 1), round(rss)
+            logger.info(f"{name}: rehearsing ({' '.join(overrides)})")
+            (run_ddp if rehearsal.ddp else run_swarm)(rehearsal, overrides, folder, args.timeout, row)
+        except Exception as error:  # a failed rehearsal is a row that says so; the others still run
+            logger.exception(f"{name} failed")
+            row["status"] = f"failed: {type(error).__name__}: {error}"[:300]
+        row["wall_s"] = round(time.monotonic() - started)
+        row.pop("steps_target", None)
+        row["overrides"] = " ".join(overrides)
+        row.update(machine=facts["machine"], date=facts["date"], commit=facts["commit"], command=facts["command"])
+        rows[rehearsal.config] = row
+        logger.info(f"{name}: {row}")
+        facts["rows"] = list(rows.values())
+        json_path.write_text(json.dumps(facts, indent=2) + "\n")
+        with csv_path.open("w", newline="") as stream:
+            writer = csv.DictWriter(stream, fieldnames=[*COLUMNS, "overrides", "machine", "date", "commit", "command"])
+            writer.writeheader()
+            writer.writerows(rows.values())
+
+
+if __name__ == "__main__":
+    main()
