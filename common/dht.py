@@ -120,19 +120,33 @@ def start_dht(
 
 
 class _RoundFinishedAfterCancel(logging.Filter):
-    """hivemind's averager sets the result of an all-reduce round on its step future without checking whether the
-    optimizer cancelled that step meanwhile (an auxiliary peer's pre-scheduled round it no longer needs, a peer
-    stopping): ``InvalidStateError: Can't set_result to a future that is CANCELLED`` escapes the round's task, and
-    asyncio logs it as "Task exception was never retrieved" with a traceback. Nothing is lost: nobody waits for that
-    result. One INFO line instead; every other unretrieved exception keeps its level and traceback."""
+    """Two routine faults asyncio logs as "Task exception was never retrieved" with a traceback; one INFO line each
+    instead (every other unretrieved exception keeps its level and traceback):
+
+    * hivemind's averager sets the result of an all-reduce round on its step future without checking whether the
+      optimizer cancelled that step meanwhile (an auxiliary peer's pre-scheduled round it no longer needs, a peer
+      stopping): ``InvalidStateError: Can't set_result to a future that is CANCELLED``. Nobody waits for the result.
+    * a request with a timeout (``asyncio.wait_for``) run as a task whose caller stopped waiting (a peer that left,
+      a start-up attempt given up): the ``TimeoutError`` is the request's routine end.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
+        unretrieved = str(record.msg).split("\n", 1)[0] in UNRETRIEVED
         if isinstance(error, InvalidStateError) and "CANCELLED" in str(error):
-            record.msg, record.args = "an averaging round finished after its step was cancelled: result dropped", ()
-            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
-            record.exc_info, record.exc_text = None, None
+            self._one_line(record, "an averaging round finished after its step was cancelled: result dropped")
+        elif unretrieved and isinstance(error, TimeoutError) and "wait_for()" in str(record.msg):
+            self._one_line(record, "a request timed out after its caller had stopped waiting for it")
         return True
+
+    @staticmethod
+    def _one_line(record: logging.LogRecord, message: str) -> None:
+        record.msg, record.args = message, ()
+        record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        record.exc_info, record.exc_text = None, None
+
+
+UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
 
 
 def log_rounds_finished_after_cancel_in_one_line() -> None:

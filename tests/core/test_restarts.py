@@ -20,7 +20,7 @@ from common.identity import load_identity
 from common.metrics import MAX_RECORDS_PUBLISHED, PeerMetrics, StepRecord, records_to_publish
 from common.peer import ADDRESS_FILE, JOIN_COMMAND_FILE, PORT_FILE
 from common.swarm import LocalSwarm
-from tests.helpers import PYTHON, ROOT, TINY_ALBERT, assert_no_processes_left, run_script
+from tests.helpers import PYTHON, ROOT, TINY_ALBERT, assert_no_processes_left, run_command, run_script
 
 STARTUP_SCRIPT = "scripts/experiments/startup_under_load.py"
 
@@ -171,3 +171,36 @@ def test_the_join_command_lists_the_auxiliary_peer_and_a_volunteer_joins_through
     logs = "".join((tmp_path / name / "peer.log").read_text() for name in ("monitor", "aux", "volunteer"))
     assert "Traceback" not in logs
     assert_no_processes_left(tmp_path)
+
+
+UNRETRIEVED_PROBE = """
+import asyncio, gc, logging, sys
+from concurrent.futures import InvalidStateError
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
+from common.dht import log_rounds_finished_after_cancel_in_one_line
+log_rounds_finished_after_cancel_in_one_line()
+
+async def cancelled_round():
+    raise InvalidStateError("Can't set_result to a future that is CANCELLED (1)")
+
+async def not_routine():
+    raise ValueError("a real bug")
+
+async def main():
+    tasks = [asyncio.ensure_future(asyncio.wait_for(asyncio.sleep(5), 0.01)), asyncio.ensure_future(cancelled_round())]
+    tasks.append(asyncio.ensure_future(not_routine()))
+    await asyncio.sleep(0.2)
+    del tasks
+    gc.collect()
+
+asyncio.run(main())
+"""
+
+
+def test_routine_unretrieved_task_errors_are_one_line_and_others_keep_their_traceback():
+    result = run_command([PYTHON, "-c", UNRETRIEVED_PROBE], timeout=120)
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert "INFO a request timed out after its caller had stopped waiting for it" in lines, result.stdout
+    assert "INFO an averaging round finished after its step was cancelled: result dropped" in lines, result.stdout
+    assert result.stdout.count("Task exception was never retrieved") == 1, result.stdout  # the real bug's
+    assert result.stdout.count("Traceback") == 1 and "ValueError: a real bug" in result.stdout
