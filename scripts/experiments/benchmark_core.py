@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.errors import exit_on_user_error
 from common.lifecycle import setup_logging
 from common.metrics import HistoryWriter
@@ -28,6 +26,30 @@ from common.swarm import ROOT, stop_process_group
 
 logger = logging.getLogger("benchmark_core")
 CONFIG = "configs/albert/tiny.yaml"
+
+
+def machine_description() -> str:
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown CPU",
+    )
+    return f"{os.cpu_count()} CPU cores ({model}), no GPU"
+
+
+def git_commit() -> str:
+    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return (result.stdout.strip() or "unknown") + (" with uncommitted changes" if dirty else "")
+
+
+def load_average() -> str:
+    return "/".join(f"{value:.1f}" for value in os.getloadavg())
 
 
 def run(command: list, log_path: Path) -> float:
@@ -46,6 +68,8 @@ def main() -> None:
     parser.add_argument("--output", default="outputs/benchmark_core", help="run folders and logs")
     parser.add_argument("--results", default="paper_results/core", help="benchmark.csv and the demo loss curve")
     args = parser.parse_args()
+    invocation = " ".join(["python", "scripts/experiments/benchmark_core.py", *sys.argv[1:]])
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     setup_logging("benchmark")
     output, results = Path(args.output), Path(args.results)
     output.mkdir(parents=True, exist_ok=True)
@@ -53,6 +77,7 @@ def main() -> None:
     python = sys.executable
     common = ["monitor.wandb_mode=disabled", f"training.max_global_steps={args.steps}"]
 
+    loads = {"swarm_start": load_average()}  # other jobs on the machine change what each phase gets
     logger.info("1/3 collaborative swarm (the README's demo)")
     swarm_dir = output / "swarm"
     swarm_seconds = run(
@@ -73,6 +98,7 @@ def main() -> None:
     )
     swarm = json.loads((swarm_dir / "summary.json").read_text())
 
+    loads["plain_start"] = load_average()
     logger.info(f"2/3 {args.trainers} plain-torch loops side by side for {args.plain_seconds:.0f} s")
     processes = []
     for index in range(args.trainers):
@@ -107,6 +133,7 @@ def main() -> None:
         for index in range(args.trainers)
     ]
 
+    loads["single_start"] = load_average()
     logger.info("3/3 one process, same global batch and number of global steps")
     single_dir = output / "single"
     single_seconds = run(
@@ -128,16 +155,28 @@ def main() -> None:
     swarm_rates = swarm["samples_per_second"]
     mean_swarm = sum(swarm_rates.values()) / len(swarm_rates)
     mean_plain = sum(plain_rates) / len(plain_rates)
+    swarm_per_trainer = " / ".join(f"{swarm_rates[name]:.1f}" for name in sorted(swarm_rates))
+    peers_per_step = swarm["peers_per_step"]
     rows = [
+        ("command", invocation),
+        ("machine", machine_description()),
         (
-            "machine",
-            f"{platform.machine()} CPU, {os.cpu_count()} cores, no GPU",
+            "load_average_1_5_15_min",
+            "; ".join(f"{phase} {value}" for phase, value in {**loads, "end": load_average()}.items()),
         ),
-        ("date", time.strftime("%Y-%m-%d")),
+        ("started", started),
+        ("commit", git_commit()),
+        ("config", CONFIG),
         ("demo_wall_seconds", f"{swarm_seconds:.0f}"),
         ("global_steps", swarm["global_steps"]),
+        (
+            "steps_with_all_trainers",
+            f"{sum(count == args.trainers for count in peers_per_step)} of {len(peers_per_step)}",
+        ),
         ("swarm_samples_per_second_per_trainer", f"{mean_swarm:.1f}"),
+        ("swarm_samples_per_second_each", swarm_per_trainer),
         ("plain_samples_per_second_per_process_same_load", f"{mean_plain:.1f}"),
+        ("plain_samples_per_second_each", " / ".join(f"{rate:.1f}" for rate in plain_rates)),
         ("ratio_collaborative_over_plain", f"{mean_swarm / mean_plain:.2f}"),
         ("swarm_loss_first", f"{swarm['loss_first']:.4f}"),
         ("swarm_loss_last", f"{swarm['loss_last']:.4f}"),
