@@ -506,7 +506,8 @@ class Results:
         axes[0, 1].set_xlabel("local batch")
         axes[0, 1].set_ylabel("samples/s")
         axes[0, 1].set_title("batch sizes that fit (forward + backward + step)")
-        axes[0, 1].legend(fontsize=7)
+        if axes[0, 1].lines:
+            axes[0, 1].legend(fontsize=7)
         pipeline = self.data.get("pipeline") or {}
         if pipeline.get("pipeline_samples_per_second"):
             workers = [int(count) for count in pipeline["pipeline_samples_per_second"]]
