@@ -110,9 +110,9 @@ class Chaos:
 
     def run(self) -> None:
         with self.swarm:
-            self.swarm.start_first_peer("monitor", "monitor", timeout=300)
+            self.swarm.start_first_peer("monitor", "monitor", timeout=self.args.start_timeout)
             self.start("auxiliary", "aux")
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + self.args.start_timeout
             while not (self.run_dir / "aux" / ADDRESS_FILE).exists():  # volunteers come once both are listed
                 if not self.swarm.peers["aux"].alive() or time.monotonic() > deadline:
                     raise UserError(f"the auxiliary peer did not start: {self.swarm.peers['aux'].log_tail(5)}")
@@ -228,6 +228,12 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=20.0, help="seconds after the last fault before stopping")
     parser.add_argument("--faults", nargs="*", choices=FAULTS, help="this sequence instead of random faults")
     parser.add_argument("--trainers", type=int, default=3)
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the monitor and the auxiliary peer may take to start",
+    )
     parser.add_argument("--target-batch-size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", type=Path, default=ROOT / "outputs/chaos")
