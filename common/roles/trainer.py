@@ -114,6 +114,7 @@ def export_final_model(config: RunConfig, task, trainer: Trainer, summary: Train
         exported_by=f"the trainer peer {summary.peer_name!r} at the end of its run",
         backend=config.training.backend.value,
         final_loss=last.loss if last is not None else None,
+        loss_step=last.step if last is not None else None,
         metrics=dict(last.metrics) if last is not None else {},
         contributors=[{"peer": summary.peer_name, "samples": summary.samples, "steps": len(trainer.records)}],
     )
