@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import itertools
 import logging
@@ -137,6 +138,8 @@ class _RoundFinishedAfterCancel(logging.Filter):
             self._one_line(record, "an averaging round finished after its step was cancelled: result dropped")
         elif unretrieved and isinstance(error, TimeoutError) and "wait_for()" in str(record.msg):
             self._one_line(record, "a request timed out after its caller had stopped waiting for it")
+        elif unretrieved and isinstance(error, asyncio.CancelledError):
+            self._one_line(record, "a part of an averaging round was abandoned when the round was cut off")
         return True
 
     @staticmethod
@@ -149,11 +152,30 @@ class _RoundFinishedAfterCancel(logging.Filter):
 UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
 
 
+class _AllReduceCutOff(logging.Filter):
+    """hivemind logs an all-reduce round cut off at its timeout (a groupmate frozen or gone mid-round: its parts
+    never came) with ``logger.exception``: "Unable to run All-Reduce:" and two chained tracebacks. The optimizer
+    reports the outcome itself ("Averaging failed with ..."); one WARNING line instead. Other failures keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        cause = error.__cause__ or error.__context__ if error is not None else None
+        if "Unable to run All-Reduce" in str(record.msg) and isinstance(cause, (asyncio.CancelledError, TimeoutError)):
+            record.msg, record.args = (
+                "an all-reduce round was cut off at its timeout: a groupmate stopped answering",
+                (),
+            )
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def log_rounds_finished_after_cancel_in_one_line() -> None:
     """Install :class:`_RoundFinishedAfterCancel` on asyncio's logger (before hivemind's processes are forked)."""
-    asyncio_logger = logging.getLogger("asyncio")
-    if not any(isinstance(existing, _RoundFinishedAfterCancel) for existing in asyncio_logger.filters):
-        asyncio_logger.addFilter(_RoundFinishedAfterCancel())
+    for name, kind in (("asyncio", _RoundFinishedAfterCancel), ("hivemind.averaging.averager", _AllReduceCutOff)):
+        target = logging.getLogger(name)
+        if not any(isinstance(existing, kind) for existing in target.filters):
+            target.addFilter(kind())
 
 
 def port_is_free(port: int) -> bool:

@@ -142,9 +142,25 @@ class Chaos:
             for name, _ in list(self.frozen.items()):
                 self.resume("thaw", name)
             time.sleep(self.args.settle)
+            self.wait_for_the_monitor_to_catch_up()
             self.swarm.stop_many([*self.trainers, "aux"], graceful=True, grace_seconds=60)
             time.sleep(3)  # the monitor's last polls read the trainers' last records
             self.swarm.stop("monitor", graceful=True, grace_seconds=60)
+
+    def wait_for_the_monitor_to_catch_up(self) -> None:
+        """A monitor restarted by the last faults recovers the steps it missed from the records the trainers
+        republish, which leave with the trainers: stop them only once its history is two steps behind theirs (the
+        last two come with the final flush), or after ``--start-timeout``."""
+        deadline = time.monotonic() + self.args.start_timeout
+        while time.monotonic() < deadline:
+            finished = [
+                entry["step"] for name in self.trainers for entry in read_steps(self.run_dir / name / "steps.jsonl")
+            ]
+            recorded = [entry["step"] for entry in read_steps(self.run_dir / "monitor" / "history.jsonl")]
+            if not finished or max(recorded, default=-1) >= max(finished) - 2:
+                return
+            time.sleep(2)
+        logger.warning("the monitor did not catch up with the trainers before --start-timeout: stopping anyway")
 
     def inject(self, kind: str) -> None:
         live = [name for name in self.trainers if self.swarm.peers[name].alive() and name not in self.frozen]

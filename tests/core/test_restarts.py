@@ -189,11 +189,21 @@ async def not_routine():
 async def main():
     tasks = [asyncio.ensure_future(asyncio.wait_for(asyncio.sleep(5), 0.01)), asyncio.ensure_future(cancelled_round())]
     tasks.append(asyncio.ensure_future(not_routine()))
+    abandoned = asyncio.get_running_loop().create_future()
+    abandoned.set_exception(asyncio.CancelledError())
     await asyncio.sleep(0.2)
-    del tasks
+    del tasks, abandoned
     gc.collect()
 
 asyncio.run(main())
+averager = logging.getLogger("hivemind.averaging.averager")
+try:
+    try:
+        raise asyncio.CancelledError()
+    except BaseException as error:
+        raise RuntimeError(f"Unable to run All-Reduce: {error}")
+except RuntimeError as cut_off:
+    averager.exception(cut_off)
 """
 
 
@@ -202,5 +212,13 @@ def test_routine_unretrieved_task_errors_are_one_line_and_others_keep_their_trac
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert "INFO a request timed out after its caller had stopped waiting for it" in lines, result.stdout
     assert "INFO an averaging round finished after its step was cancelled: result dropped" in lines, result.stdout
+    assert "INFO a part of an averaging round was abandoned when the round was cut off" in lines, result.stdout
+    said = (result.stdout + result.stderr).splitlines()  # hivemind's own handler writes to stderr
+    cut_off = [
+        line
+        for line in said
+        if line.endswith("an all-reduce round was cut off at its timeout: a groupmate stopped answering")
+    ]
+    assert len(cut_off) == 1 and "WARN" in cut_off[0], result.stderr[-2000:]
     assert result.stdout.count("Task exception was never retrieved") == 1, result.stdout  # the real bug's
     assert result.stdout.count("Traceback") == 1 and "ValueError: a real bug" in result.stdout
