@@ -502,7 +502,7 @@ class Results:
                     labels.append(f"{model}\n{precision} {loop}")
         axes[0, 0].barh(range(len(bars)), bars)
         axes[0, 0].set_yticks(range(len(bars)), labels, fontsize=6)
-        axes[0, 0].set_xlabel("samples/s (after the first global step)")
+        axes[0, 0].set_xlabel("samples/s (after the first global step; whole run if under 2 steps)")
         axes[0, 0].set_title("plain PyTorch vs our loop vs a collaborative peer")
         for model, search in self.data["batch_search"].items():
             points = [(row["batch"], row["samples_per_second"]) for row in search.get("tried", []) if row["fits"]]
@@ -571,6 +571,11 @@ def parse_arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--loops", nargs="+", choices=("plain", "single", "peer"), default=["plain", "single", "peer"])
     parser.add_argument("--workers", type=int, nargs="+", default=None, help="pipeline (default 0 2 4 8 12; tiny 0 1)")
+    parser.add_argument(
+        "--fashion-mnist-dir",
+        default=None,
+        help="where the Fashion-MNIST IDX files are (default: the Debian package's)",
+    )
     parser.add_argument("--swarm-steps", type=int, default=None, help="global steps of the swarm (default 6; tiny 4)")
     args = parser.parse_args(argv)
     defaults = {
@@ -596,6 +601,8 @@ def _raise_interrupt(signum, _frame) -> None:
 
 def model_overrides(args, name: str, precision: str, local_batch: Optional[int] = None) -> Tuple[str, List[str]]:
     config_path, overrides, _ = (TINY if args.tiny else MODELS)[name]
+    if args.fashion_mnist_dir and name == "swav_resnet50":
+        overrides = [*overrides, f"task.fashion_mnist_dir={args.fashion_mnist_dir}"]
     base = load_config(config_path, overrides)
     local = local_batch or base.training.local_batch_size
     return config_path, [

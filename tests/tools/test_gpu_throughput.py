@@ -72,6 +72,9 @@ def test_the_paper_scale_configs_load_with_every_override():
     assert (albert.task.hidden_size, albert.task.num_hidden_layers, albert.task.max_seq_length) == (1024, 24, 512)
     swav = gpu_throughput.load_config(*gpu_throughput.model_overrides(arguments, "swav_resnet50", "bf16"))
     assert (swav.task.arch, list(swav.task.crop_sizes), list(swav.task.crop_counts)) == ("resnet50", [224, 96], [2, 6])
+    carried = gpu_throughput.parse_arguments(["--output-dir", "unused", "--fashion-mnist-dir", "/carried/fashion"])
+    swav = gpu_throughput.load_config(*gpu_throughput.model_overrides(carried, "swav_resnet50", "fp16"))
+    assert swav.task.fashion_mnist_dir == "/carried/fashion"
 
 
 def _results_file(tmp_path: Path, **changes) -> Path:
