@@ -56,10 +56,10 @@ def test_no_corrupt_state_is_accepted_from_killed_frozen_corrupting_or_digestles
     assert started and not [process.pid for process in started if group_alive(process.pid)]
     outcomes = [newcomer["outcome"] for newcomer in trial["newcomers"]]
     assert outcomes == ["exact", "exact"], trial
-    for newcomer in trial["newcomers"]:
-        log = "\n".join(newcomer["log"])
-        # every newcomer met the corrupting and the digest-less donor before the good one, and refused both
-        assert "does not match its digest; asking the next peer" in log, trial
-        assert "it came without digests" in log, trial
+    # the faults were met: the first newcomer to ask sees every donor (the others' view of the donors can lack the
+    # frozen or killed ones' DHT records) and refuses the corrupt and the digest-less state; the killed donor's
+    # stream was cut
     summary = driver.summarize([trial])
-    assert summary["refusals"]["stream cut short"] >= 1, trial  # the killed donor's stream
+    assert summary["refusals"]["digest mismatch"] >= 1, trial
+    assert summary["refusals"]["no digests"] >= 1, trial
+    assert summary["refusals"]["stream cut short"] >= 1, trial
