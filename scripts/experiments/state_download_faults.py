@@ -282,6 +282,16 @@ def _stop(processes) -> None:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             logger.warning(f"process {process.pid} did not exit")
+    deadline = time.monotonic() + 30
+    for process in processes:  # the rest of each group (DHT, averager, p2p daemon) until it is reaped
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            logger.warning(f"the processes of group {process.pid} did not exit")
 
 
 def run_trial(index: int, args, workdir: Path) -> dict:
