@@ -19,6 +19,7 @@ joining trainer or the monitor makes them (``TrainingStateAverager.load_state_fr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -233,12 +234,20 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    rows = []
     if args.part == "hash":
-        rows = [measure_hashing(model, args.repeats) for model in MODELS]
-    else:
-        rows = [measure_downloads("tiny", args.downloads, digests) for digests in ("off", "on", "off", "on")]
-    for row in rows:
-        logger.info(json.dumps(row))
+        measurements = (functools.partial(measure_hashing, model, args.repeats) for model in MODELS)
+    else:  # alternating, so that a change in the machine's load falls on both
+        measurements = (
+            functools.partial(measure_downloads, "tiny", args.downloads, digests) for digests in ("off", "on") * 2
+        )
+    for measure in measurements:
+        rows.append(measure())
+        logger.info(json.dumps(rows[-1]))
+        write_artefact(args, rows)  # after every row, so that a stopped run keeps what it measured
+
+
+def write_artefact(args, rows) -> None:
     if args.out is not None:
         artefact = dict(
             command="python " + " ".join([str(Path(sys.argv[0])), *sys.argv[1:]]),
