@@ -71,6 +71,7 @@ SWARM_TRAINERS = 2
 # a swarm of a few steps must see the learning rate act: the paper's 5,000 warmup steps would keep it near zero
 SWARM_SCHEDULE = ["task.warmup_steps=2", "task.total_steps=1000"]
 LOCAL_SWARM = ["collaboration.matchmaking_time=2.0", "collaboration.averaging_timeout=30.0"]
+PEER_STEPS = 3
 PEER_START_SECONDS = 75.0  # two peer processes' imports, task, DHT and first steps (twice that on --tiny's CPU)
 # CPU autocast has no fast float16 convolutions: the tiny SwAV ran orders of magnitude slower in fp16 than in bf16
 CPU_SLOW_FP16 = {"swav_resnet50"}
@@ -270,10 +271,17 @@ def our_single(config, seconds: float, output_dir: Path) -> Dict:
     }
 
 
-def our_peer(config_path: str, overrides: List[str], seconds: float, output_dir: Path, timeout: float) -> Dict:
+def our_peer(config_path: str, overrides: List[str], wall_limit: float, output_dir: Path, timeout: float) -> Dict:
     """One trainer and one auxiliary peer (separate processes on loopback); the trainer's own summary. The auxiliary
-    peer starts first, so that it takes its share of every averaging round from the trainer's first step on."""
-    swarm_overrides = [*overrides, f"training.max_wall_seconds={seconds}", "monitor.wandb_mode=disabled"]
+    peer starts first, so that it takes its share of every averaging round from the trainer's first step on. The
+    trainer runs PEER_STEPS global steps (``wall_limit`` seconds at most): a rate after its first step needs two."""
+    swarm_overrides = [
+        *overrides,
+        f"training.max_global_steps={PEER_STEPS}",
+        f"training.max_wall_seconds={wall_limit}",
+        "collaboration.final_averaging_seconds=0",  # the end-of-run round with other trainers: there are none
+        "monitor.wandb_mode=disabled",
+    ]
     with LocalSwarm(config_path, output_dir, swarm_overrides) as swarm:
         swarm.start_first_peer("auxiliary", "aux0", timeout=timeout)
         swarm.start("trainer", "trainer0")
@@ -557,7 +565,7 @@ def parse_arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--budget-seconds", type=float, default=None, help="whole run (default 450; --tiny 420)")
     parser.add_argument(
-        "--seconds", type=float, default=None, help="measured seconds per loop (default 8; tiny 4); a peer 1.5 x"
+        "--seconds", type=float, default=None, help="measured seconds of the plain loop and ours (default 8; tiny 4)"
     )
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per global step in the loops")
     parser.add_argument(
@@ -645,7 +653,9 @@ def run_loops(args, results: Results, budget: Budget, precisions: List[str], run
                 }
                 free_device_memory()
                 results.save(budget)
-            peer_seconds, peer_start = 1.5 * args.seconds, PEER_START_SECONDS * (2 if args.tiny else 1)
+            # its steps take about peer_step_seconds each (the target batch below) plus an averaging round
+            peer_seconds, peer_start = PEER_STEPS * (args.peer_step_seconds + 2), PEER_START_SECONDS
+            peer_start *= 2 if args.tiny else 1
             if "peer" in loops and budget.allows(f"loops/{name}/{precision}/peer", peer_seconds + peer_start):
                 rate = (row.get("single") or {}).get("steady_samples_per_second") or (row.get("plain") or {}).get(
                     "steady_samples_per_second"
@@ -656,12 +666,13 @@ def run_loops(args, results: Results, budget: Budget, precisions: List[str], run
                 )
                 peer_overrides = [*overrides, f"collaboration.target_batch_size={target}"]
                 logger.info(f"{name} {precision}: a collaborative peer + an auxiliary peer, target batch {target}")
-                timeout = min(budget.left(), peer_seconds + peer_start)
+                wall_limit = 3 * peer_seconds
+                timeout = min(budget.left(), wall_limit + peer_start)
                 row["peer"] = {
                     **common,
                     "target_batch_size": target,
                     **_guarded(
-                        our_peer, config_path, peer_overrides, peer_seconds, runs / name / precision / "peer", timeout
+                        our_peer, config_path, peer_overrides, wall_limit, runs / name / precision / "peer", timeout
                     ),
                 }
                 results.save(budget)
