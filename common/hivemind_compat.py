@@ -87,7 +87,6 @@ def software_fingerprint() -> str:
 
 
 logger = logging.getLogger(__name__)
-logger = logging.getLogger(__name__)
 
 
 def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
