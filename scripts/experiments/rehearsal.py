@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
 import torch
 
 from common.checkpoints import CHECKPOINT_DIR, list_checkpoints, read_state_file

@@ -31,8 +31,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (repository root on sys.path)
-
 from common.errors import exit_on_user_error
 
 ROOT = Path(__file__).resolve().parents[2]

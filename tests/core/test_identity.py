@@ -101,7 +101,9 @@ def test_join_command_is_portable_and_carries_the_run_defining_overrides():
     command = join_command([address], "scripts/train.py", portable_config_path(TINY_ALBERT))
     assert command == f".venv/bin/python scripts/train.py --config configs/albert/tiny.yaml --initial-peers {address}"
     moderated = join_command([address], "scripts/volunteer.py", "c.yaml", [], "http://h:1")
-    assert moderated.startswith(".venv/bin/python scripts/volunteer.py --config c.yaml --auth-server http://h:1 --initial-peers")
+    assert moderated.startswith(
+        ".venv/bin/python scripts/volunteer.py --config c.yaml --auth-server http://h:1 --initial-peers"
+    )
 
 
 def test_a_peer_publishing_a_step_late_does_not_make_the_next_step_look_instant():

@@ -5,7 +5,6 @@ scripts/experiments/state_download_faults.py; the loop's results are in paper_re
 import argparse
 import importlib.util
 import os
-import sys
 
 import pytest
 
@@ -15,14 +14,10 @@ DRIVER = ROOT / "scripts/experiments/state_download_faults.py"
 
 
 def load_driver():
-    sys.path.insert(0, str(DRIVER.parent))  # the driver imports its _bootstrap, as scripts do
-    try:
-        spec = importlib.util.spec_from_file_location("state_download_faults", DRIVER)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(DRIVER.parent))
+    spec = importlib.util.spec_from_file_location("state_download_faults", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def group_alive(pid: int) -> bool:

@@ -25,7 +25,6 @@ needs_fashion_mnist = pytest.mark.skipif(
 def load_rehearsal_module():
     spec = importlib.util.spec_from_file_location("rehearsal", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(SCRIPT.parent))  # its _bootstrap import
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
