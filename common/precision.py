@@ -29,8 +29,6 @@ from common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-PRECISIONS = ("auto", "fp32", "fp16", "bf16")
-
 
 def check_device(device: torch.device) -> None:
     """A CUDA device this machine does not have is a one-line error before any tensor goes there."""
