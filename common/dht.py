@@ -25,6 +25,7 @@ from common.hivemind_compat import (
     deliver_whole_streams,
     finish_abandoned_executor_maps,
     keep_inbound_stream_handlers_alive,
+    require_pinned_hivemind,
 )
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def start_dht(
             "a client-mode peer accepts no inbound connections, so it cannot start a swarm: "
             "give network.initial_peers of a peer that is not in client mode"
         )
+    require_pinned_hivemind()  # the patches below replace its private internals
     # before the DHT's process (and later the averagers') is forked
     keep_inbound_stream_handlers_alive()
     deliver_whole_streams()
@@ -288,11 +290,6 @@ def _ip_of(address: str) -> Optional[Union[ipaddress.IPv4Address, ipaddress.IPv6
 
 async def _count_neighbours(_dht, node) -> int:
     return sum(len(bucket.nodes_to_peer_id) for bucket in node.protocol.routing_table.buckets)
-
-
-def _has_neighbours(dht: hivemind.DHT) -> bool:
-    # run_coroutine pickles the coroutine function to the DHT process: it must be a module-level function
-    return dht.run_coroutine(_count_neighbours) > 0
 
 
 def visible_multiaddrs(dht: hivemind.DHT) -> List[str]:
