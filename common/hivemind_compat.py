@@ -4,6 +4,9 @@ Upgrading hivemind means re-checking exactly this file: each function names what
 why the project cannot take it as it is. Nothing else in the core patches hivemind (the averaging benchmark's
 diagnostics in common/tools/allreduce.py log its internals, in the benchmark's own processes only).
 
+The numbers are stable names that notes refer to; 1, the optimizer-state prefill, is now
+:func:`common.optimizer.prefill_optimizer_state` (it no longer patches hivemind).
+
 2. :func:`skip_nonfinite_steps` -- a partial all-reduce can average to NaN/Inf.
 3. :func:`count_state_reloads` -- ``Optimizer.step`` silently reloads state and drops accumulated gradients.
 4. :func:`restart_throughput_timer` -- the throughput estimate counts time spent before training started.
