@@ -142,7 +142,9 @@ def make_collaborative_optimizer(
     state_averager_opts = {"initialize_optimizer": False, "bandwidth": collab.bandwidth}
     # hivemind 1.1.12 hands averager_opts to the state averager only: the declared bandwidth reaches the gradient
     # averager, whose rounds it load-balances, through the factory.
-    grad_averager_factory = functools.partial(GradientAverager, bandwidth=collab.bandwidth)
+    grad_averager_factory = None  # local updates average parameters only: hivemind makes no gradient averager
+    if not flags.use_local_updates:
+        grad_averager_factory = functools.partial(GradientAverager, bandwidth=collab.bandwidth)
     silence_schedule_fast_forward_warning()
     stream_results_to_zero_share_full_peers()  # before the averagers' processes are forked
     keep_inbound_stream_handlers_alive()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from common.config import CONFIG_KEYS_HELP
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.peer import ADDRESS_FILE
@@ -236,7 +237,9 @@ def summarize(chaos: Chaos, run_dir: Path, args, wall_seconds: float) -> dict:
 
 @exit_on_user_error
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONFIG_KEYS_HELP
+    )
     parser.add_argument("--config", default=str(ROOT / "configs/albert/tiny.yaml"))
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--fault-every", type=float, default=30.0, help="seconds between two faults")

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional
 import torch
 
 from common.checkpoints import CHECKPOINT_DIR, list_checkpoints, read_state_file
-from common.config import load_config
+from common.config import CONFIG_KEYS_HELP, load_config
 from common.optimizer import averaged_buffers
 from common.swarm import LocalSwarm
 from common.task import EXPORT_DIR
@@ -369,7 +369,11 @@ def run_ddp(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=CONFIG_KEYS_HELP,
+    )
     parser.add_argument(
         "--configs", nargs="*", default=["swav_resnet50", "albert_large", "albert_large_ddp", "sahajbert"]
     )

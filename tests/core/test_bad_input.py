@@ -48,6 +48,7 @@ def test_bad_input_is_one_line_error(script, arguments, fragment):
     assert_one_line_error(result, fragment)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_unreachable_initial_peer_is_one_line_error():
     result = run_script(

@@ -40,6 +40,7 @@ def test_ddp_two_workers_equal_single_process_on_the_same_samples(tmp_path, tiny
     assert max_difference(exported, torch.load(tmp_path / "worker0" / "final_model.pt")) == 0
 
 
+@pytest.mark.slow
 def test_ddp_rejects_a_global_batch_that_workers_cannot_split(tmp_path):
     result = run_ddp_training(
         "training.backend=ddp",

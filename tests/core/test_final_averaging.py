@@ -22,6 +22,8 @@ from common.hivemind_compat import close_averager_p2p_on_shutdown
 from common.optimizer import make_collaborative_optimizer
 from tests.helpers import ROOT, OneWeightTask
 
+pytestmark = pytest.mark.slow  # real averagers in processes of their own
+
 FINAL_AVERAGING_SECONDS = 3.0
 
 

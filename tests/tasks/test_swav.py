@@ -260,6 +260,7 @@ def test_learning_rate_schedule():
     assert learning_rate(config.total_steps + 100, config) == pytest.approx(0.0048)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_single_backend_training_lowers_the_loss(tmp_path):
     config = load_config(

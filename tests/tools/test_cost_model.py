@@ -262,6 +262,7 @@ def test_two_calibration_runs_determine_throughput_and_overhead():
         fit_swarm_calibration(runs[0], runs[0], semantics=Semantics.sync)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_validate_cli_on_a_run_folder(tmp_path):
     run = tmp_path / "run"

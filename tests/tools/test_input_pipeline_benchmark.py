@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from tests.helpers import run_script
 
 
+@pytest.mark.slow
 def test_input_pipeline_benchmark_reports_pipeline_and_step_rates(tmp_path):
     output = tmp_path / "pipeline.json"
     result = run_script(
