@@ -78,6 +78,7 @@ class TrainingSummary:
     # of ``samples`` (computed), those in global steps this peer took part in: the rest were dropped when the swarm's
     # state replaced this peer's accumulated gradients (a missed round, a reload) or an fp16 overflow discarded them
     samples_used: int = 0
+    gradient_seconds: float = 0.0  # of the wall time, forward and backward passes only (no averaging, no waiting)
 
     @property
     def samples_per_second(self) -> float:
@@ -90,8 +91,8 @@ class TrainingSummary:
 
     @property
     def compute_share(self) -> float:
-        """The share of this peer's wall time spent computing gradients (the rest: start-up, waiting, averaging)."""
-        return self.compute_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+        """The share of this peer's wall time spent computing gradients (the rest: start-up, input, averaging)."""
+        return self.gradient_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     def to_json(self) -> dict:
         return {
@@ -191,7 +192,7 @@ class Trainer:
         model = self.backend.prepare_model(self.task.model)
         model.train()
         started = time.time()
-        compute_seconds, samples_total, skipped = 0.0, 0, 0
+        compute_seconds, gradient_seconds, samples_total, skipped = 0.0, 0.0, 0, 0
         last_log = started
         stopped_by = "max_global_steps"
         accumulator = StepAccumulator(step=self.backend.global_step)
@@ -235,6 +236,7 @@ class Trainer:
                 self.backend.zero_grad()
                 continue
             self.task.after_backward(self.task.model, self.backend.global_step)
+            gradient_seconds += time.perf_counter() - tick
             scaler_judges = self.backend.grad_scaler is not None  # it skips (and lowers the scale) by itself
             if self.skip_nonfinite and not scaler_judges and not _all_finite(self.task.model.parameters()):
                 skipped += 1
@@ -281,6 +283,7 @@ class Trainer:
             loss_scale=self.backend.loss_scale,
             peak_memory_mb=peak_memory_mb(self.device),
             samples_used=sum(record.samples for record in self.records),
+            gradient_seconds=gradient_seconds,
         )
         logger.info(
             f"stopped ({stopped_by}) at global step {summary.global_steps}: {summary.samples} samples, "

@@ -4,16 +4,17 @@ from common.report import swarm_used_share
 from common.trainer import TrainingSummary
 
 
-def summary(samples: int, used: int, wall: float = 10.0, compute: float = 4.0) -> TrainingSummary:
+def summary(samples: int, used: int, wall: float = 10.0, gradients: float = 4.0) -> TrainingSummary:
     return TrainingSummary(
         peer_name="p",
         global_steps=3,
         samples=samples,
         wall_seconds=wall,
-        compute_seconds=compute,
+        compute_seconds=gradients + 1.0,
         skipped_nonfinite=0,
         stopped_by="max_global_steps",
         samples_used=used,
+        gradient_seconds=gradients,
     )
 
 
