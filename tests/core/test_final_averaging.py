@@ -20,6 +20,7 @@ from common.backends import CollaborativeBackend, RunFingerprints
 from common.config import CollaborationConfig
 from common.hivemind_compat import close_averager_p2p_on_shutdown
 from common.optimizer import make_collaborative_optimizer
+from common.swarm import stop_process_group
 from tests.helpers import ROOT, OneWeightTask
 
 pytestmark = pytest.mark.slow  # real averagers in processes of their own
@@ -102,11 +103,21 @@ print(test_final_averaging.weights_after_two_trainers_finish_a_second_apart())
 
 @pytest.mark.timeout(120)
 def test_trainers_that_finish_together_end_with_the_same_parameters():
-    result = subprocess.run(
-        [sys.executable, "-c", IN_A_FRESH_PROCESS, str(ROOT)], capture_output=True, text=True, timeout=100, cwd=ROOT
+    # its own session: on a timeout its DHT's and averagers' processes and their p2pd daemons go with it
+    child = subprocess.Popen(
+        [sys.executable, "-c", IN_A_FRESH_PROCESS, str(ROOT)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "[2.0, 2.0]", result.stderr[-3000:]
+    try:
+        stdout, stderr = child.communicate(timeout=100)
+    finally:
+        stop_process_group(child, grace_seconds=5)
+    assert child.returncode == 0, stderr[-3000:]
+    assert stdout.strip().splitlines()[-1] == "[2.0, 2.0]", stderr[-3000:]
 
 
 @pytest.mark.timeout(120)
