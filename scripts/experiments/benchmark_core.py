@@ -12,8 +12,6 @@ import argparse
 import csv
 import json
 import logging
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -23,33 +21,10 @@ from common.errors import exit_on_user_error
 from common.lifecycle import setup_logging
 from common.metrics import HistoryWriter
 from common.swarm import ROOT, stop_process_group
+from common.tools.provenance import git_commit, load_average, machine_description
 
 logger = logging.getLogger("benchmark_core")
 CONFIG = "configs/albert/tiny.yaml"
-
-
-def machine_description() -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown CPU",
-    )
-    return f"{os.cpu_count()} CPU cores ({model}), no GPU"
-
-
-def git_commit() -> str:
-    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return (result.stdout.strip() or "unknown") + (" with uncommitted changes" if dirty else "")
-
-
-def load_average() -> str:
-    return "/".join(f"{value:.1f}" for value in os.getloadavg())
 
 
 def run(command: list, log_path: Path) -> float:

@@ -13,10 +13,7 @@ import argparse
 import csv
 import json
 import logging
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,35 +21,12 @@ from pathlib import Path
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import setup_logging
 from common.startup import STARTUP_FILE
-from common.swarm import ROOT, LocalSwarm
+from common.swarm import LocalSwarm
+from common.tools.provenance import git_commit, load_average, machine_description
 
 logger = logging.getLogger("startup_phases")
 CONFIG = "configs/albert/tiny.yaml"
 TRAINER_SECONDS = 600  # one step of 64 samples; generous for a loaded 2-core machine
-
-
-def machine_description() -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown CPU",
-    )
-    return f"{os.cpu_count()} CPU cores ({model}), no GPU"
-
-
-def git_commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return (head.stdout.strip() or "unknown") + (" with uncommitted changes" if dirty else "")
-
-
-def load_average() -> str:
-    return "/".join(f"{value:.1f}" for value in os.getloadavg())
 
 
 @exit_on_user_error

@@ -14,8 +14,6 @@ import csv
 import importlib.util
 import logging
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import setup_logging
 from common.swarm import ROOT
+from common.tools.provenance import git_commit, machine_description
 
 
 def _test_helpers():
@@ -48,26 +47,6 @@ FAST = [
     "collaboration.final_averaging_seconds=3",
     "task.max_documents=3000",
 ]
-
-
-def machine_description() -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown CPU",
-    )
-    return f"{os.cpu_count()} CPU cores ({model}), no GPU"
-
-
-def git_commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return (head.stdout.strip() or "unknown") + (" with uncommitted changes" if dirty else "")
 
 
 @exit_on_user_error

@@ -1,0 +1,36 @@
+"""Where a measurement ran: the machine, the code and the load, as the experiment scripts write them beside
+their figures."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def machine_description() -> str:
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown CPU",
+    )
+    return f"{os.cpu_count()} CPU cores ({model}), no GPU"
+
+
+def git_commit() -> str:
+    """The checkout's commit, saying so when tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return (head.stdout.strip() or "unknown") + (" with uncommitted changes" if dirty else "")
+
+
+def load_average() -> str:
+    return "/".join(f"{value:.1f}" for value in os.getloadavg())
