@@ -8,6 +8,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -34,3 +36,15 @@ def git_commit() -> str:
 
 def load_average() -> str:
     return "/".join(f"{value:.1f}" for value in os.getloadavg())
+
+
+def process_group_rss_mib(pgid: int) -> float:
+    """Resident memory of every process in a process group (a peer with its DHT, averagers and p2pd)."""
+    total = 0
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(process.pid) == pgid:
+                total += process.memory_info().rss
+        except (psutil.Error, ProcessLookupError, OSError):
+            continue
+    return total / 2**20

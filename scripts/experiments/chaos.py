@@ -21,13 +21,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import psutil
-
 from common.config import CONFIG_KEYS_HELP
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.peer import ADDRESS_FILE
 from common.swarm import LocalSwarm
+from common.tools.provenance import process_group_rss_mib
 
 ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger("chaos")
@@ -60,17 +59,6 @@ def read_steps(path: Path) -> list:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def group_rss_mib(pgid: int) -> float:
-    total = 0
-    for process in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(process.pid) == pgid:
-                total += process.memory_info().rss
-        except (psutil.Error, ProcessLookupError, OSError):
-            continue
-    return total / 2**20
 
 
 class Chaos:
@@ -135,7 +123,7 @@ class Chaos:
                 for peer in self.swarm.peers.values():
                     if peer.alive():
                         self.peak_rss[peer.name] = max(
-                            self.peak_rss.get(peer.name, 0.0), group_rss_mib(peer.process.pid)
+                            self.peak_rss.get(peer.name, 0.0), process_group_rss_mib(peer.process.pid)
                         )
                 self.stop.wait(1.0)
             for when, action, name in sorted(self.pending):

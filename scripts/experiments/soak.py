@@ -18,20 +18,9 @@ from common.errors import exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.metrics import HistoryWriter
 from common.swarm import LocalSwarm
+from common.tools.provenance import process_group_rss_mib
 
 logger = logging.getLogger("soak")
-
-
-def group_memory_mib(pgid: int) -> float:
-    """Resident memory of every process in a peer's process group (its DHT, averagers and p2pd included)."""
-    total = 0
-    for process in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(process.pid) == pgid:
-                total += process.memory_info().rss
-        except (psutil.Error, ProcessLookupError, OSError):
-            continue
-    return total / 2**20
 
 
 def count_p2pd(pgids: set) -> int:
@@ -78,7 +67,7 @@ def main() -> None:
             pgids = {peer.process.pid for peer in swarm.peers.values() if peer.alive()}
             row = {"seconds": round(time.time() - started), "p2pd": count_p2pd(pgids)}
             for name, peer in swarm.peers.items():
-                row[f"{name}_rss_mib"] = round(group_memory_mib(peer.process.pid), 1) if peer.alive() else ""
+                row[f"{name}_rss_mib"] = round(process_group_rss_mib(peer.process.pid), 1) if peer.alive() else ""
             history = HistoryWriter(output / "monitor").read()
             row["global_step"] = history[-1]["step"] if history else -1
             rows.append(row)
