@@ -26,7 +26,7 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
-from common.config import CollaborationConfig
+from common.config import CollaborationConfig, Semantics
 from common.errors import ConfigError, PeerError, UserError
 from common.hivemind_compat import count_state_reloads, restart_throughput_timer, software_fingerprint
 from common.metrics import (
@@ -337,6 +337,10 @@ class CollaborativeBackend(TrainingBackend):
             expiration_time=get_dht_time() + self.metrics_expiration,
             return_future=True,
         )
+        if self.fingerprints.averaging:  # renewed with every record, so a run's settings never expire while it runs
+            publish_averaging_settings(
+                self.dht, self.collab.run_id, self.peer_name, self.fingerprints.averaging, self.metrics_expiration
+            )
 
     def swarm_status(self) -> Optional[SwarmStatus]:
         progress = self.optimizer.tracker.global_progress
@@ -401,6 +405,8 @@ class CollaborativeBackend(TrainingBackend):
         seconds = self.collab.final_averaging_seconds
         if seconds <= 0 or self.optimizer.tracker.global_progress.num_peers <= 1:
             return
+        if self.collab.semantics == Semantics.diloco and self.global_step % self.collab.inner_steps == 0:
+            return  # the run ended on an outer step: every trainer holds the same outer parameters already
         logger.info(f"averaging the final parameters with the trainers that finish now (up to {seconds:g} s)")
         averager = self.optimizer.state_averager
         control = averager.schedule_step(
@@ -439,11 +445,61 @@ class RunFingerprints:
     model: str
     inputs: str = ""
     software: str = field(default_factory=software_fingerprint)
+    # how the swarm forms its updates (``averaging_settings``): diloco peers must agree on H and the outer optimizer
+    # (other settings would average pseudo-gradients of other lengths), and never mix with gradient averaging
+    averaging: str = ""
 
     @classmethod
-    def of(cls, task: Task) -> "RunFingerprints":
+    def of(cls, task: Task, collab: Optional[CollaborationConfig] = None) -> "RunFingerprints":
         layout = [(name, tuple(param.shape), str(param.dtype)) for name, param in task.model.named_parameters()]
-        return cls(hashlib.blake2b(repr(layout).encode(), digest_size=8).hexdigest(), task.input_fingerprint())
+        model = hashlib.blake2b(repr(layout).encode(), digest_size=8).hexdigest()
+        return cls(model, task.input_fingerprint(), averaging=averaging_settings(collab) if collab else "")
+
+
+def averaging_settings(collab: CollaborationConfig) -> str:
+    """The update rule a trainer announces, in words: the semantics, and for diloco the settings every trainer of
+    the run must share."""
+    if collab.semantics != Semantics.diloco:
+        return collab.semantics.value
+    return (
+        f"diloco with inner_steps={collab.inner_steps}, outer_lr={collab.outer_lr:g}, "
+        f"outer_momentum={collab.outer_momentum:g}"
+    )
+
+
+def averaging_key(run_id: str) -> str:
+    return f"{run_id}_averaging"
+
+
+def publish_averaging_settings(dht: hivemind.DHT, run_id: str, peer_name: str, settings: str, lifetime: float):
+    """Announce this trainer's averaging settings (``averaging_settings``), one subkey per peer."""
+    return dht.store(
+        key=averaging_key(run_id),
+        subkey=str(dht.peer_id),
+        value={"peer": peer_name, "settings": settings},
+        expiration_time=get_dht_time() + lifetime,
+        return_future=True,
+    )
+
+
+def require_same_averaging(dht: hivemind.DHT, run_id: str, fingerprints: RunFingerprints) -> None:
+    """Refuse to join a run whose trainers form their updates otherwise: a diloco peer with another H or outer
+    optimizer, or a diloco peer in a run of gradient-averaging trainers (or the reverse). Trainers of releases
+    before diloco announce nothing and are not compared."""
+    entry = dht.get(averaging_key(run_id), latest=True)
+    theirs = [
+        record.value
+        for record in (entry.value.values() if entry is not None and isinstance(entry.value, dict) else [])
+        if isinstance(record.value, dict) and isinstance(record.value.get("settings"), str)
+    ]
+    mine = fingerprints.averaging
+    for other in theirs:
+        # sync, dpu and local peers average gradients or parameters every step and may meet (as before diloco)
+        if other["settings"] != mine and "diloco" in other["settings"] + mine:
+            raise PeerError(
+                f"run {run_id!r} forms its updates otherwise (peer {other.get('peer')} uses {other['settings']}, "
+                f"this peer {mine}): use the run's collaboration settings or another collaboration.run_id"
+            )
 
 
 def require_same_model(
@@ -452,9 +508,8 @@ def require_same_model(
     """Refuse to join a run whose trainers train a differently shaped model or feed it other inputs (never average
     mismatched state); ``input_advice`` ends the error line of the latter."""
     entry = dht.get(metrics_key(run_id), latest=True)
-    if entry is None or not isinstance(entry.value, dict):
-        return
-    for record in entry.value.values():
+    records = entry.value.values() if entry is not None and isinstance(entry.value, dict) else []
+    for record in records:
         try:
             peer = PeerMetrics.parse_obj(record.value)
         except Exception:  # malformed records are refused by validators; skip anything odd
@@ -475,6 +530,7 @@ def require_same_model(
                 f"run {run_id!r} encodes its inputs differently (peer {peer.peer_name} has input fingerprint "
                 f"{peer.input_fingerprint}, this peer {fingerprints.inputs}): {input_advice}"
             )
+    require_same_averaging(dht, run_id, fingerprints)
 
 
 def count_trainers(dht: hivemind.DHT, run_id: str) -> int:

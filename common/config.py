@@ -27,7 +27,10 @@ class Semantics(str, enum.Enum):
 
     sync = "sync"  # the paper: equivalent to synchronous large-batch training
     dpu = "dpu"  # delayed parameter updates: average and step in the background, one step stale
-    local = "local"  # local optimizer steps, parameters averaged every target batch (DiLoCo-like)
+    local = "local"  # local optimizer steps, parameters (and optimizer statistics) averaged every target batch
+    # local optimizer steps; every collaboration.inner_steps global steps the swarm averages the parameters' change
+    # (the pseudo-gradient) and applies an outer Nesterov step to it (DiLoCo, common/optimizer.DiLoCoOptimizer)
+    diloco = "diloco"
 
 
 class Compression(str, enum.Enum):
@@ -135,6 +138,12 @@ class CollaborationConfig:
     # run reports call trainers' final parameters "the same" within this (max absolute element difference);
     # lossy wire compression leaves peers legitimately apart, by how much depends on the optimizer (see configs)
     agreement_tolerance: float = 1e-3
+    # semantics=diloco: global steps (target batches of the swarm) between outer steps. With local_batch_size x
+    # trainers = target_batch_size each global step is one inner optimizer step per trainer, DiLoCo's H; every
+    # trainer of a run must use the same value (and outer settings), or it is refused when it joins
+    inner_steps: int = 50
+    outer_lr: float = 0.7  # the outer Nesterov SGD on the averaged pseudo-gradient (DiLoCo's defaults)
+    outer_momentum: float = 0.9
 
     def __post_init__(self) -> None:
         require(
@@ -159,6 +168,11 @@ class CollaborationConfig:
         require(self.final_averaging_seconds >= 0, "collaboration.final_averaging_seconds must be >= 0")
         require(self.expected_peers >= 1, "collaboration.expected_peers must be >= 1")
         require(self.agreement_tolerance > 0, "collaboration.agreement_tolerance must be > 0")
+        require(self.inner_steps >= 1, f"collaboration.inner_steps must be >= 1 (got {self.inner_steps})")
+        require(self.outer_lr > 0, f"collaboration.outer_lr must be > 0 (got {self.outer_lr})")
+        require(
+            0 <= self.outer_momentum < 1, f"collaboration.outer_momentum must be in [0, 1) (got {self.outer_momentum})"
+        )
         # hivemind imports bitsandbytes only when the first averaging round runs: without it every round would fail
         require(
             self.compression != Compression.blockwise8bit or importlib.util.find_spec("bitsandbytes") is not None,
@@ -338,7 +352,7 @@ def config_from_container(raw: Any, source: str = "config") -> RunConfig:
 
 
 # One process can hold a gradient back a step (dpu's staleness without a swarm); DDP steps as `sync` only, and
-# local updates only mean something between peers.
+# local updates (local, diloco) only mean something between peers.
 BACKEND_SEMANTICS = {
     Backend.collaborative: tuple(Semantics),
     Backend.single: (Semantics.sync, Semantics.dpu),

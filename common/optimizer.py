@@ -1,23 +1,27 @@
-"""hivemind.Optimizer built from config: semantics preset, wire compression, declared bandwidth."""
+"""hivemind.Optimizer built from config: semantics preset, wire compression, declared bandwidth; DiLoCo on top."""
 
 from __future__ import annotations
 
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import hivemind
 import torch
+from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.compression import (
     BlockwiseQuantization,
     CompressionBase,
+    CompressionInfo,
     Float16Compression,
     NoCompression,
     ScaledFloat16Compression,
+    TensorRole,
     Uniform8BitQuantization,
 )
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager, load_optimizer_state
 
 from common.config import CollaborationConfig, Compression, Semantics
 from common.hivemind_compat import (
@@ -120,7 +124,224 @@ SEMANTICS = {
     Semantics.dpu: SemanticsFlags(use_local_updates=False, delay_optimizer_step=True, delay_grad_averaging=True),
     # Local updates with parameter averaging every target batch.
     Semantics.local: SemanticsFlags(use_local_updates=True, delay_optimizer_step=False, delay_grad_averaging=False),
+    # Local updates; every inner_steps global steps an outer step on the averaged pseudo-gradient (DiLoCoOptimizer).
+    Semantics.diloco: SemanticsFlags(use_local_updates=True, delay_optimizer_step=False, delay_grad_averaging=False),
 }
+# diloco never averages the parameters themselves between outer steps: hivemind's state averaging "every this many
+# epochs" is pushed beyond any run's length
+NEVER = 2**62
+OUTER_MOMENTUM = "outer_momentum"  # the served state's metadata key: how many outer momentum tensors end the state
+
+
+def make_outer_optimizer(params: Sequence[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD at momentum 0), its momentum buffers created
+    up front so that they exist to be served, checkpointed and downloaded before the first outer step."""
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+    return prefill_optimizer_state(optimizer)
+
+
+def outer_momentum_tensors(outer_optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The outer optimizer's momentum buffers in parameter order (none at momentum 0). Read afresh each time:
+    ``load_state_dict`` replaces the tensors."""
+    params = [param for group in outer_optimizer.param_groups for param in group["params"]]
+    return [outer_optimizer.state[param]["momentum_buffer"] for param in params if param in outer_optimizer.state]
+
+
+class DiLoCoStateAverager(TrainingStateAverager):
+    """hivemind's state averager for a DiLoCo peer: what it serves is the swarm's state, not this peer's drift.
+
+    Between outer steps a trainer's parameters wander off on its own data; the state a joining peer (or the
+    monitor's checkpoint) needs is the one every trainer agrees on: the *outer* parameters, the result of the last
+    outer step. So the served state is hivemind's own (parameters, extra tensors such as BatchNorm statistics, the
+    inner optimizer's statistics, the epoch) with the outer parameters in place of the parameters, and the outer
+    optimizer's momentum appended after everything hivemind reads (its count in the metadata under
+    ``OUTER_MOMENTUM``). A download is the reverse: the inner optimizer state as hivemind loads it, and both the
+    parameters and the outer parameters set to the served outer parameters, so the joiner's next pseudo-gradient
+    counts only its own inner steps.
+
+    ``outer_optimizer`` holds the outer parameters (its param_groups, in the inner optimizer's parameter order) and
+    their momentum. On a trainer they are CPU copies, apart from the model; on the monitor, which never trains, the
+    model's own parameters (then the checkpoint's ``model`` is the outer state).
+    """
+
+    def __init__(self, *, outer_optimizer: torch.optim.Optimizer, **kwargs):
+        self.outer_optimizer = outer_optimizer
+        self.outer_parameters = [param for group in outer_optimizer.param_groups for param in group["params"]]
+        super().__init__(**kwargs)
+
+    def get_current_state(self):
+        metadata, tensors, infos = super().get_current_state()
+        count = len(self.outer_parameters)
+        with torch.no_grad(), self.lock_averaged_tensors:
+            outer = [param.detach().cpu().clone() for param in self.outer_parameters]
+            momentum = [buffer.detach().cpu().clone() for buffer in outer_momentum_tensors(self.outer_optimizer)]
+        momentum_infos = [
+            CompressionInfo.from_tensor(buffer, key=f"{OUTER_MOMENTUM}{index}", role=TensorRole.OPTIMIZER)
+            for index, buffer in enumerate(momentum)
+        ]
+        metadata = dict(metadata, **{OUTER_MOMENTUM: len(momentum)})
+        return metadata, [*outer, *tensors[count:], *momentum], [*infos, *momentum_infos]
+
+    def load_state_from_peers(self, **kwargs):
+        """hivemind's TrainingStateAverager.load_state_from_peers for the state ``get_current_state`` serves."""
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        momentum = outer_momentum_tensors(self.outer_optimizer)
+        loaded = DecentralizedAverager.load_state_from_peers(self, **kwargs)
+        if loaded is None:
+            return
+        metadata, flat = loaded
+        if not isinstance(metadata.get("epoch"), int) or metadata["epoch"] < self.local_epoch:
+            logger.warning("not loading a peer's state: its epoch is behind this peer's")
+            return
+        if metadata.get(OUTER_MOMENTUM) != len(momentum):
+            logger.warning(
+                f"not loading a peer's state: it carries {metadata.get(OUTER_MOMENTUM)} outer momentum tensors, "
+                f"a diloco peer here has {len(momentum)} (a peer of other semantics or outer settings)"
+            )
+            return
+        head = len(params) + len(self.extra_tensors)
+        if len(flat) < head + len(momentum):
+            logger.warning("not loading a peer's state: it has fewer tensors than this peer's state")
+            return
+        loaded_momentum = flat[len(flat) - len(momentum) :]
+        with torch.no_grad(), self.lock_averaged_tensors:
+            try:
+                load_optimizer_state(
+                    self.optimizer, metadata["optimizer_metadata"], flat[head : len(flat) - len(momentum)]
+                )
+            except StopIteration:
+                logger.warning("not loading a peer's state: its inner optimizer statistics do not match this peer's")
+                return
+            for param, outer, value in zip(params, self.outer_parameters, flat[: len(params)]):
+                param.copy_(value)
+                outer.copy_(value)
+            for tensor, value in zip(self.extra_tensors, flat[len(params) : head]):
+                tensor.copy_(value)
+            for buffer, value in zip(momentum, loaded_momentum):
+                buffer.copy_(value)
+        if not self.reuse_tensors:
+            self._load_local_tensors_into_averager_()
+        self.local_epoch = metadata["epoch"]
+        self._update_scheduler()
+
+
+class DiLoCoOptimizer(hivemind.Optimizer):
+    """DiLoCo (Douillard et al., 2023) on hivemind, as OpenDiLoCo builds it: local updates between outer steps.
+
+    Each trainer steps the task's optimizer (the *inner* optimizer) on its own micro-batches at every ``step``,
+    hivemind's ``use_local_updates``: hivemind's progress tracker still counts the swarm's samples into global steps
+    of ``target_batch_size`` and steps the learning-rate schedule once per global step, exactly as for ``sync``.
+    Every ``inner_steps`` global steps, where hivemind would average the parameters, the swarm instead averages
+    the *pseudo-gradient*, each trainer's outer parameters minus its current parameters (how far its inner steps
+    moved it), in a hivemind all-reduce of its own (``DecentralizedAverager`` under the prefix
+    ``<run_id>_outer_averager``: the same matchmaking, load balancing by declared bandwidth, wire compression,
+    client mode and auxiliary peers as gradient rounds). Each trainer then applies the outer optimizer (Nesterov
+    SGD) to its outer parameters with that average as gradient and copies the result into the model: all trainers
+    leave an outer step with the same parameters, and the inner optimizer keeps its statistics.
+
+    Communication: one all-reduce of the parameters' size every ``inner_steps`` global steps instead of one every
+    global step. A trainer alone in the swarm, or one whose round found no group, applies its own pseudo-gradient
+    (one WARNING line); the next round pulls it back, and a trainer that falls a global step behind downloads the
+    swarm's outer state (``DiLoCoStateAverager``) as any hivemind peer does.
+    """
+
+    def __init__(
+        self, *, params, inner_steps: int, outer_lr: float, outer_momentum: float, bandwidth: Optional[float], **kwargs
+    ):
+        self.inner_steps = inner_steps
+        groups = list(params)
+        flat = [param for group in groups for param in (group["params"] if isinstance(group, dict) else [group])]
+        # the outer state lives on the CPU (OpenDiLoCo's offload): a GPU keeps only the model and its inner state
+        outer_parameters = [param.detach().to("cpu", copy=True) for param in flat]
+        self.outer_optimizer = make_outer_optimizer(outer_parameters, outer_lr, outer_momentum)
+        self.outer_parameters = outer_parameters
+        super().__init__(params=groups, use_local_updates=True, average_state_every=NEVER, **kwargs)
+        self.outer_averager = DecentralizedAverager(
+            averaged_tensors=[torch.zeros_like(param) for param in outer_parameters],
+            dht=self.dht,
+            prefix=f"{self.run_id}_outer_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            next_chunk_timeout=self.next_chunk_timeout,
+            compression=kwargs.get("grad_compression", NoCompression()),
+            bandwidth=bandwidth,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            allow_state_sharing=False,  # the state averager serves the outer state
+            start=True,
+        )
+        self.outer_steps = 0  # outer steps this peer took part in (alone or with a group)
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        return DiLoCoStateAverager(
+            outer_optimizer=self.outer_optimizer,
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
+        if next_epoch // self.inner_steps > self.local_epoch // self.inner_steps:  # a multiple of H in between
+            self._outer_step(next_epoch)
+        super()._update_global_epoch(grad_scaler)
+
+    def _outer_step(self, next_epoch: int) -> None:
+        if self.auxiliary:  # no parameters of its own: it reduces a share of the trainers' pseudo-gradients
+            try:
+                self.outer_averager.step(timeout=self.averaging_timeout)
+            except Exception as error:
+                logger.warning(f"outer step before global step {next_epoch}: no round to assist ({error!r})")
+            return
+        params = [param for group in self.param_groups for param in group["params"]]
+        with torch.no_grad():
+            pseudo_gradients = [outer - param.detach().cpu() for outer, param in zip(self.outer_parameters, params)]
+        averaged, partners = pseudo_gradients, 0
+        if self.tracker.global_progress.num_peers > 1:
+            with self.outer_averager.get_tensors() as tensors:
+                for tensor, pseudo_gradient in zip(tensors, pseudo_gradients):
+                    tensor.copy_(pseudo_gradient)
+            try:
+                gathered = self.outer_averager.step(weight=1.0, timeout=self.averaging_timeout)
+            except Exception as error:  # no group within the timeout, a partner failed: this peer steps on its own
+                gathered = None
+                logger.debug(f"outer averaging round failed: {error!r}")
+            if gathered:
+                partners = len(gathered) - 1
+                with self.outer_averager.get_tensors() as tensors:
+                    averaged = [tensor.clone() for tensor in tensors]
+        if partners == 0 and self.tracker.global_progress.num_peers > 1:
+            logger.warning(
+                f"outer step before global step {next_epoch} used this peer's pseudo-gradient only: its averaging "
+                f"round found no group (the next outer step pulls it back to the swarm)"
+            )
+        with torch.no_grad(), self.state_averager.lock_averaged_tensors:
+            for outer, pseudo_gradient in zip(self.outer_parameters, averaged):
+                outer.grad = pseudo_gradient
+            self.outer_optimizer.step()
+            for outer, param in zip(self.outer_parameters, params):
+                outer.grad = None
+                param.copy_(outer)
+        self.outer_steps += 1
+        logger.log(
+            self.status_loglevel,
+            f"outer step before global step {next_epoch}: pseudo-gradient averaged with {partners} other peer(s)",
+        )
+
+    def shutdown(self) -> None:
+        if self.outer_averager.is_alive():
+            self.outer_averager.shutdown()
+        super().shutdown()
 
 
 def make_collaborative_optimizer(
@@ -136,6 +357,7 @@ def make_collaborative_optimizer(
     ``uses_grad_scaler``: the trainer steps it with a ``hivemind.GradScaler`` (fp16). Its state downloads give up
     after ``collab.load_state_deadline`` seconds; ``stop_requested`` (the stop flag) cuts their retries short."""
     flags = SEMANTICS[collab.semantics]
+    diloco = collab.semantics == Semantics.diloco
     compression = make_compression(collab.compression)
     # the state is prefilled (prefill_optimizer_state), so hivemind's own virtual zero-gradient step and its log line
     # must not run
@@ -149,7 +371,16 @@ def make_collaborative_optimizer(
     stream_results_to_zero_share_full_peers()  # before the averagers' processes are forked
     keep_inbound_stream_handlers_alive()
     read_8bit_tensors_with_numpy_2()
-    optimizer = hivemind.Optimizer(
+    optimizer_class, diloco_options = hivemind.Optimizer, {}
+    if diloco:
+        optimizer_class = DiLoCoOptimizer
+        diloco_options = dict(
+            inner_steps=collab.inner_steps,
+            outer_lr=collab.outer_lr,
+            outer_momentum=collab.outer_momentum,
+            bandwidth=collab.bandwidth,
+        )
+    optimizer = optimizer_class(
         dht=dht,
         run_id=collab.run_id,
         target_batch_size=collab.target_batch_size,
@@ -161,8 +392,8 @@ def make_collaborative_optimizer(
         averaging_timeout=collab.averaging_timeout,
         next_chunk_timeout=collab.next_chunk_timeout,
         load_state_timeout=collab.load_state_timeout,
-        average_state_every=collab.average_state_every,
-        use_local_updates=flags.use_local_updates,
+        **({} if diloco else dict(average_state_every=collab.average_state_every)),
+        **({} if diloco else dict(use_local_updates=flags.use_local_updates)),
         delay_optimizer_step=flags.delay_optimizer_step,
         delay_grad_averaging=flags.delay_grad_averaging,
         reuse_grad_buffers=grad_buffers_for_scaler(uses_grad_scaler, flags.use_local_updates),
@@ -175,6 +406,7 @@ def make_collaborative_optimizer(
         extra_tensors=averaged_buffers(task.model),
         tracker_opts={"min_refresh_period": 0.2, "default_refresh_period": 1.0},
         verbose=True,  # status lines at INFO; common.lifecycle.setup_logging decides which loggers show them
+        **diloco_options,
     )
     bound_state_downloads(optimizer, collab.load_state_deadline, stop_requested or (lambda: False))
     if collab.catch_up_one_step_behind:
@@ -182,3 +414,38 @@ def make_collaborative_optimizer(
     if flags.delay_grad_averaging:
         gradient_rounds_start_at_the_update(optimizer)
     return optimizer
+
+
+def make_checkpoint_state_averager(
+    dht: hivemind.DHT, task: Task, collab: CollaborationConfig, prefix: str
+) -> TrainingStateAverager:
+    """The monitor's state averager: it downloads the trainers' state (the ``prefix`` they serve under) and serves
+    its checkpoint. For ``diloco`` it holds the outer optimizer's momentum beside the task's optimizer, and its
+    model parameters are the outer parameters (``DiLoCoStateAverager``)."""
+    options = dict(
+        dht=dht,
+        optimizer=task.make_optimizer,
+        params=task.optimizer_param_groups(),
+        scheduler=task.make_scheduler,
+        prefix=prefix,
+        min_matchmaking_time=collab.matchmaking_time,
+        extra_tensors=averaged_buffers(task.model),  # the trainers' BatchNorm statistics
+        start=True,
+    )
+    if collab.semantics != Semantics.diloco:
+        return TrainingStateAverager(**options)
+    outer_parameters = [param for group in options["params"] for param in group["params"]]
+    outer_optimizer = make_outer_optimizer(outer_parameters, collab.outer_lr, collab.outer_momentum)
+    return DiLoCoStateAverager(outer_optimizer=outer_optimizer, **options)
+
+
+def outer_checkpoint_state(averager: TrainingStateAverager) -> dict:
+    """What a checkpoint holds beyond the model, inner optimizer and schedule: the outer optimizer's state (diloco)."""
+    if isinstance(averager, DiLoCoStateAverager):
+        return {"outer_optimizer": averager.outer_optimizer.state_dict()}
+    return {}
+
+
+def load_outer_checkpoint_state(averager: TrainingStateAverager, state: dict) -> None:
+    if isinstance(averager, DiLoCoStateAverager) and state.get("outer_optimizer") is not None:
+        averager.outer_optimizer.load_state_dict(state["outer_optimizer"])

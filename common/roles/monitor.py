@@ -24,7 +24,7 @@ from common.export import facts_at_step
 from common.identity import peer_id_of_record_owner
 from common.lifecycle import StopFlag
 from common.metrics import HistoryWriter, PeerMetrics, StepAggregate, StepAggregator, metrics_key
-from common.optimizer import averaged_buffers
+from common.optimizer import load_outer_checkpoint_state, make_checkpoint_state_averager, outer_checkpoint_state
 from common.peer import read_entry_peers, read_join_command, start_peer_dht, write_join_command
 from common.task import EXPORT_DIR
 
@@ -94,6 +94,9 @@ class Leaderboard:
             row["samples"] += samples
             row["steps"] += 1
             row["last_seen"] = entry["time"]
+            utilisation = entry.get("utilisation", {}).get(peer_id)
+            if utilisation is not None:  # as of its newest step (a restarted process starts its totals afresh)
+                row["used_share"], row["compute_share"] = utilisation["used_share"], utilisation["compute_share"]
 
     def write(self) -> None:
         ranked = sorted(self.rows.values(), key=lambda row: -row["samples"])
@@ -134,16 +137,12 @@ class Monitor:
         self.last_checkpoint_step = -1
         self.checkpoint_failures, self.next_checkpoint_attempt = 0, 0.0  # bounded retries with backoff
         if config.monitor.checkpoint_every_steps > 0:
-            self.state_averager = TrainingStateAverager(
-                dht=self.dht,
-                optimizer=self.task.make_optimizer,
-                params=self.task.optimizer_param_groups(),
-                scheduler=self.task.make_scheduler,
+            self.state_averager = make_checkpoint_state_averager(
+                self.dht,
+                self.task,
+                config.collaboration,
                 # the trainers' state averagers' prefix (with a moderated run's secret tag): they serve its state
                 prefix=f"{averaging_run_id(config.collaboration.run_id, authorizer)}_state_averager",
-                min_matchmaking_time=config.collaboration.matchmaking_time,
-                extra_tensors=averaged_buffers(self.task.model),  # the trainers' BatchNorm statistics
-                start=True,
             )
             self._restore_checkpoint()
         self.metrics = MetricsLogger(config, self.output_dir)
@@ -156,6 +155,7 @@ class Monitor:
         self.state_averager.optimizer.load_state_dict(state["optimizer"])
         if self.state_averager.scheduler is not None and state.get("scheduler") is not None:
             self.state_averager.scheduler.load_state_dict(state["scheduler"])
+        load_outer_checkpoint_state(self.state_averager, state)  # diloco: the outer optimizer's momentum
         self.state_averager.local_epoch = state["step"]
         self.state_averager.state_sharing_priority = state["step"]
         self.last_checkpoint_step = state["step"]
@@ -212,9 +212,10 @@ class Monitor:
                 f" | {name} {value:.3f}" for name, value in aggregate.metrics.items() if name.endswith("accuracy")
             )
             rate = "" if aggregate.samples_per_second is None else f" | {aggregate.samples_per_second:.1f} samples/s"
+            used = "" if aggregate.used_share is None else f" | {aggregate.used_share:.0%} of computed samples used"
             logger.info(
                 f"global step {aggregate.step}: loss {aggregate.loss:.4f} | {aggregate.peers} peers | "
-                f"{aggregate.samples} samples{rate}{accuracy}"
+                f"{aggregate.samples} samples{rate}{accuracy}{used}"
             )
         if ready:
             self.leaderboard.write()
@@ -258,6 +259,7 @@ class Monitor:
             "optimizer": self.state_averager.optimizer.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "run_id": self.config.collaboration.run_id,
+            **outer_checkpoint_state(self.state_averager),
         }
         path = save_checkpoint(self.checkpoint_dir, step, state, self.config.monitor.keep_checkpoints)
         self.state_averager.state_sharing_priority = step

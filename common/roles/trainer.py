@@ -61,7 +61,7 @@ def build_backend(
 
         return DDPBackend(task, config, precision)
     dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer, stop)
-    fingerprints = RunFingerprints.of(task)
+    fingerprints = RunFingerprints.of(task, config.collaboration)
     try:
         require_same_model(dht, config.collaboration.run_id, fingerprints, task.input_mismatch_advice)
         collab = dataclasses.replace(

@@ -1,0 +1,253 @@
+"""semantics=diloco: its settings are validated on load, the outer step is DiLoCo's update, mismatched peers are
+refused with one line, and the outer optimizer's state survives a state download and a checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from types import SimpleNamespace
+
+import hivemind
+import pytest
+import torch
+
+from common.backends import (
+    RunFingerprints,
+    averaging_settings,
+    publish_averaging_settings,
+    require_same_averaging,
+)
+from common.config import CollaborationConfig, Semantics, load_config
+from common.errors import ConfigError, PeerError
+from common.hivemind_compat import install as install_hivemind_patches
+from common.optimizer import (
+    DiLoCoOptimizer,
+    DiLoCoStateAverager,
+    load_outer_checkpoint_state,
+    make_collaborative_optimizer,
+    make_outer_optimizer,
+    outer_checkpoint_state,
+    outer_momentum_tensors,
+)
+from tests.helpers import TINY_ALBERT, OneWeightTask
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("collaboration.inner_steps=0", "collaboration.inner_steps must be >= 1"),
+        ("collaboration.outer_lr=0", "collaboration.outer_lr must be > 0"),
+        ("collaboration.outer_momentum=1.0", "collaboration.outer_momentum must be in [0, 1)"),
+        ("collaboration.outer_momentum=-0.1", "collaboration.outer_momentum must be in [0, 1)"),
+    ],
+)
+def test_bad_diloco_settings_are_one_line_config_errors(override, fragment):
+    with pytest.raises(ConfigError) as error:
+        load_config(TINY_ALBERT, ["collaboration.semantics=diloco", override])
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_diloco_defaults_are_dilocos_and_only_a_swarm_runs_it():
+    config = load_config(TINY_ALBERT, ["collaboration.semantics=diloco"])
+    assert config.collaboration.semantics == Semantics.diloco
+    assert (config.collaboration.outer_lr, config.collaboration.outer_momentum) == (0.7, 0.9)
+    for backend in ("single", "ddp"):
+        with pytest.raises(ConfigError, match="supports collaboration.semantics"):
+            load_config(TINY_ALBERT, ["collaboration.semantics=diloco", f"training.backend={backend}"])
+
+
+def test_outer_optimizer_is_nesterov_sgd_with_its_momentum_ready():
+    outer = [torch.tensor([1.0, 2.0])]
+    optimizer = make_outer_optimizer(outer, lr=0.7, momentum=0.9)
+    assert torch.equal(outer[0], torch.tensor([1.0, 2.0]))  # creating the momentum moved nothing
+    (momentum,) = outer_momentum_tensors(optimizer)
+    assert torch.equal(momentum, torch.zeros(2))
+    for expected_momentum in ([0.5, -1.0], [0.95, -1.9]):  # two outer steps on the same pseudo-gradient
+        before = outer[0].clone()
+        outer[0].grad = torch.tensor([0.5, -1.0])
+        optimizer.step()
+        buffer = torch.tensor(expected_momentum)
+        nesterov = outer[0].grad + 0.9 * buffer
+        assert torch.allclose(outer_momentum_tensors(optimizer)[0], buffer)
+        assert torch.allclose(outer[0], before - 0.7 * nesterov)
+    assert outer_momentum_tensors(make_outer_optimizer([torch.zeros(1)], lr=1.0, momentum=0.0)) == []
+
+
+def lone_trainer(params, outer, outer_optimizer):
+    """What ``DiLoCoOptimizer._outer_step`` reads of a trainer that is alone in the swarm."""
+    return SimpleNamespace(
+        auxiliary=False,
+        param_groups=[{"params": params}],
+        outer_parameters=outer,
+        outer_optimizer=outer_optimizer,
+        tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=1)),
+        state_averager=SimpleNamespace(lock_averaged_tensors=contextlib.nullcontext()),
+        status_loglevel=20,
+        outer_steps=0,
+    )
+
+
+def test_outer_step_applies_the_pseudo_gradient_and_resets_the_model_to_the_outer_parameters():
+    model = [torch.nn.Parameter(torch.tensor([3.0, -1.0]))]
+    outer = [torch.tensor([2.0, 1.0])]  # where the last outer step left the swarm
+    trainer = lone_trainer(model, outer, make_outer_optimizer(outer, lr=0.7, momentum=0.9))
+    DiLoCoOptimizer._outer_step(trainer, next_epoch=4)
+    pseudo_gradient = torch.tensor([2.0, 1.0]) - torch.tensor([3.0, -1.0])  # outer minus local: (-1, 2)
+    expected = torch.tensor([2.0, 1.0]) - 0.7 * (pseudo_gradient + 0.9 * pseudo_gradient)
+    assert torch.allclose(outer[0], expected) and torch.equal(model[0].detach(), outer[0])
+    assert outer[0].grad is None and trainer.outer_steps == 1
+
+
+def test_outer_lr_one_without_momentum_is_parameter_averaging():
+    """The `local` semantics' update as a special case: with outer lr 1 and no momentum an outer step moves the
+    parameters to (here: one peer's) local parameters."""
+    model = [torch.nn.Parameter(torch.tensor([3.0, -1.0]))]
+    outer = [torch.tensor([2.0, 1.0])]
+    DiLoCoOptimizer._outer_step(lone_trainer(model, outer, make_outer_optimizer(outer, 1.0, 0.0)), next_epoch=1)
+    assert torch.allclose(outer[0], torch.tensor([3.0, -1.0]))
+
+
+def test_the_settings_peers_must_share_are_named():
+    assert averaging_settings(CollaborationConfig()) == "sync"
+    settings = averaging_settings(CollaborationConfig(semantics=Semantics.diloco, inner_steps=20, outer_lr=0.5))
+    assert settings == "diloco with inner_steps=20, outer_lr=0.5, outer_momentum=0.9"
+
+
+@contextlib.contextmanager
+def local_dht():
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
+
+
+def fingerprints(**collab) -> RunFingerprints:
+    return RunFingerprints("model", averaging=averaging_settings(CollaborationConfig(**collab)))
+
+
+@pytest.mark.timeout(60)
+def test_peers_with_other_diloco_settings_are_refused_with_one_line():
+    with local_dht() as dht:
+        run = dict(semantics=Semantics.diloco, inner_steps=50)
+        publish_averaging_settings(dht, "run", "trainer0", averaging_settings(CollaborationConfig(**run)), 60).result()
+        require_same_averaging(dht, "run", fingerprints(**run))  # the same settings join
+        for other in (
+            dict(run, inner_steps=10),
+            dict(run, outer_lr=0.1),
+            dict(run, outer_momentum=0.0),
+            dict(semantics=Semantics.sync),
+        ):
+            with pytest.raises(PeerError) as error:
+                require_same_averaging(dht, "run", fingerprints(**other))
+            message = str(error.value)
+            assert "\n" not in message and "trainer0 uses diloco with inner_steps=50" in message
+        publish_averaging_settings(dht, "gradients", "trainer0", "sync", 60).result()
+        require_same_averaging(dht, "gradients", fingerprints(semantics=Semantics.dpu))  # as before diloco
+        with pytest.raises(PeerError, match="trainer0 uses sync, this peer diloco"):
+            require_same_averaging(dht, "gradients", fingerprints(**run))
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_a_lone_trainer_takes_an_outer_step_every_inner_steps_global_steps():
+    """A real DiLoCoOptimizer, alone: inner SGD (lr 1) on every micro-batch, an outer step every 2 global steps."""
+    install_hivemind_patches()  # as every peer does before its averagers are forked
+    with local_dht() as dht:
+        task = OneWeightTask()
+        collab = CollaborationConfig(
+            run_id="diloco_lone", semantics=Semantics.diloco, inner_steps=2, target_batch_size=4, matchmaking_time=1
+        )
+        optimizer = make_collaborative_optimizer(dht, task, collab, local_batch_size=4)
+        try:
+            assert isinstance(optimizer, DiLoCoOptimizer) and optimizer.grad_averager is None
+            weight = task.model.weight
+            expected_outer, momentum = 0.0, 0.0
+            for outer_round in range(2):
+                for _ in range(2):  # two global steps of one micro-batch each: two inner steps of -1
+                    epoch = optimizer.local_epoch
+                    weight.grad = torch.ones_like(weight)
+                    optimizer.step(batch_size=4)
+                    wait_until(lambda: optimizer.local_epoch > epoch or _step_again(optimizer), 30, "a global step")
+                pseudo_gradient = expected_outer - (expected_outer - 2.0)  # outer minus local after two inner steps
+                momentum = 0.9 * momentum + pseudo_gradient
+                expected_outer -= 0.7 * (pseudo_gradient + 0.9 * momentum)
+                assert optimizer.outer_steps == outer_round + 1
+                assert weight.item() == pytest.approx(expected_outer, abs=1e-5)
+                assert optimizer.outer_parameters[0].item() == pytest.approx(expected_outer, abs=1e-5)
+        finally:
+            optimizer.shutdown()
+
+
+def _step_again(optimizer) -> bool:
+    """hivemind moves to the next global step on a ``step`` call once its tracker has seen the samples: call it
+    with nothing new until then."""
+    weight = optimizer.param_groups[0]["params"][0]
+    weight.grad = torch.zeros_like(weight)
+    optimizer.step(batch_size=0)
+    return False
+
+
+def make_state_holder(
+    dht, prefix: str, value: float, momentum: float, epoch: int, trainer: bool = False
+) -> DiLoCoStateAverager:
+    """A DiLoCo state averager over one weight whose outer parameter and momentum are set to the given values;
+    ``trainer``: its outer parameter is a copy apart from the model (else the model's own, as on the monitor)."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    outer = [param.detach().clone() for param in model.parameters()] if trainer else list(model.parameters())
+    outer_optimizer = make_outer_optimizer(outer, lr=0.7, momentum=0.9)
+    for buffer in outer_momentum_tensors(outer_optimizer):
+        buffer.fill_(momentum)
+    averager = DiLoCoStateAverager(
+        outer_optimizer=outer_optimizer,
+        dht=dht,
+        optimizer=lambda params: torch.optim.Adam(params, lr=0.1),
+        params=[{"params": list(model.parameters())}],
+        prefix=prefix,
+        start=True,
+    )
+    averager.local_epoch = epoch
+    return averager
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_downloads_outer_parameters_and_momentum_and_a_checkpoint_keeps_them():
+    install_hivemind_patches()  # as every peer does before its averagers are forked
+    with local_dht() as first, contextlib.ExitStack() as stack:
+        second = hivemind.DHT(initial_peers=first.get_visible_maddrs(), start=True)
+        stack.callback(second.shutdown)
+        donor = make_state_holder(first, "diloco_state", value=0.25, momentum=-3.0, epoch=6, trainer=True)
+        stack.callback(donor.shutdown)
+        donor.state_sharing_priority = 6
+        # the donor's model has drifted from its outer parameter: the joiner must get the outer one
+        with torch.no_grad():
+            donor.optimizer.param_groups[0]["params"][0].fill_(9.0)
+        joiner = make_state_holder(second, "diloco_state", value=0.0, momentum=0.0, epoch=0, trainer=True)
+        stack.callback(joiner.shutdown)
+        loaded = threading.Event()
+
+        def download() -> None:
+            while joiner.local_epoch != 6:
+                joiner.load_state_from_peers(timeout=10)
+            loaded.set()
+
+        threading.Thread(target=download, daemon=True).start()
+        assert loaded.wait(60), "the joiner never loaded the donor's state"
+        joiner_weight = joiner.optimizer.param_groups[0]["params"][0]
+        assert joiner_weight.item() == 0.25 and joiner.outer_parameters[0].item() == 0.25
+        assert outer_momentum_tensors(joiner.outer_optimizer)[0].item() == -3.0
+
+        state = outer_checkpoint_state(joiner)
+        restored = make_state_holder(second, "diloco_restored", value=0.25, momentum=0.0, epoch=0)
+        stack.callback(restored.shutdown)
+        load_outer_checkpoint_state(restored, state)
+        assert outer_momentum_tensors(restored.outer_optimizer)[0].item() == -3.0
