@@ -1,0 +1,195 @@
+"""Two diloco trainers in their own processes take an outer step together: both leave it with the same parameters,
+the ones DiLoCo's update predicts from what each had before it; a third peer joining afterwards downloads the outer
+parameters and the outer optimizer's momentum.
+
+Run as a script, this module is one peer (``trainer`` or ``joiner``); the test starts them and reads what they wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import PYTHON, ROOT
+
+INNER_STEPS, OUTER_LR, OUTER_MOMENTUM = 2, 0.7, 0.9
+DIRECTION = [1.0, -1.0, 0.5, 2.0]  # trainer i's gradient is (i + 1) x this at every inner step
+
+
+class FourWeightTask:
+    """Four weights stepped by plain SGD (lr 0.1): a trainer's inner steps add up exactly in its weights."""
+
+    def __init__(self):
+        self.model = torch.nn.Linear(4, 1, bias=False)
+        with torch.no_grad():
+            self.model.weight.zero_()
+
+    def make_optimizer(self, params):
+        return torch.optim.SGD(params, lr=0.1)
+
+    def make_scheduler(self, optimizer):
+        return None
+
+    def optimizer_param_groups(self):
+        return [{"params": list(self.model.parameters())}]
+
+
+def run_peer(role: str, index: int, folder: Path) -> None:
+    import hivemind
+
+    from common.config import CollaborationConfig, Compression, Semantics
+    from common.hivemind_compat import install
+    from common.optimizer import make_collaborative_optimizer, outer_momentum_tensors
+
+    install()
+    address_file = folder / "address.txt"
+    initial_peers = address_file.read_text().split() if address_file.exists() else []
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers, start=True)
+    if not initial_peers:
+        address_file.write_text(" ".join(str(address) for address in dht.get_visible_maddrs()))
+    task = FourWeightTask()
+    collab = CollaborationConfig(
+        run_id="diloco_swarm_test",
+        semantics=Semantics.diloco,
+        inner_steps=INNER_STEPS,
+        outer_lr=OUTER_LR,
+        outer_momentum=OUTER_MOMENTUM,
+        target_batch_size=16,
+        compression=Compression.none,  # exact arithmetic on the wire: the test compares to 1e-5
+        matchmaking_time=2.0,
+        averaging_timeout=30.0,
+    )
+    optimizer = make_collaborative_optimizer(dht, task, collab, local_batch_size=4)
+    weight = task.model.weight
+    report = folder / f"{role}{index}.json"
+    try:
+        if role == "joiner":
+            optimizer.load_state_from_peers()
+            report.write_text(
+                json.dumps(
+                    {
+                        "epoch": optimizer.local_epoch,
+                        "weight": weight.detach().flatten().tolist(),
+                        "outer": optimizer.outer_parameters[0].flatten().tolist(),
+                        "momentum": outer_momentum_tensors(optimizer.outer_optimizer)[0].flatten().tolist(),
+                    }
+                )
+            )
+            return
+        before = {}
+        take_outer_step = optimizer._outer_step
+
+        def recorded_outer_step(next_epoch: int) -> None:
+            before["local"] = weight.detach().flatten().tolist()
+            before["outer"] = optimizer.outer_parameters[0].flatten().tolist()
+            take_outer_step(next_epoch)
+
+        optimizer._outer_step = recorded_outer_step
+        (folder / f"ready{index}").touch()
+        while not all((folder / f"ready{other}").exists() for other in range(2)):  # neither trains alone
+            time.sleep(0.1)
+        gradient = torch.tensor([DIRECTION]) * (index + 1)
+        deadline = time.monotonic() + 120
+        while optimizer.outer_steps == 0 and time.monotonic() < deadline:
+            weight.grad = gradient.clone()
+            optimizer.step(batch_size=4)
+            time.sleep(0.3)  # both trainers' samples reach hivemind's progress tracker well before the outer step
+        report.write_text(
+            json.dumps(
+                {
+                    **before,
+                    "epoch": optimizer.local_epoch,
+                    "after": weight.detach().flatten().tolist(),
+                    "momentum": outer_momentum_tensors(optimizer.outer_optimizer)[0].flatten().tolist(),
+                }
+            )
+        )
+        while not (folder / "stop").exists():  # serve the state to the joiner
+            time.sleep(0.2)
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
+
+
+def start(role: str, index: int, folder: Path) -> subprocess.Popen:
+    log = (folder / f"{role}{index}.log").open("wb")
+    return subprocess.Popen(
+        [PYTHON, "-m", "tests.core.test_diloco_swarm", role, str(index), str(folder)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def wait_for(path: Path, processes, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} was never written"
+        assert all(process.poll() is None for process in processes), f"a peer exited early: see {path.parent}"
+        time.sleep(0.5)
+    time.sleep(0.2)  # written in one call; let it land
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_trainers_leave_an_outer_step_equal_and_a_joiner_loads_the_outer_state(tmp_path):
+    processes = []
+    try:
+        processes.append(start("trainer", 0, tmp_path))
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "address.txt").exists():
+            assert time.monotonic() < deadline and processes[0].poll() is None, "the first trainer did not start"
+            time.sleep(0.2)
+        processes.append(start("trainer", 1, tmp_path))
+        trainers = [wait_for(tmp_path / f"trainer{index}.json", processes, 180) for index in range(2)]
+        assert all(trainer["epoch"] == INNER_STEPS for trainer in trainers), trainers
+
+        outer = torch.tensor(trainers[0]["outer"])
+        pseudo_gradient = torch.stack([outer - torch.tensor(trainer["local"]) for trainer in trainers]).mean(0)
+        momentum = pseudo_gradient  # the first outer step: zero momentum times 0.9 plus the gradient
+        expected = outer - OUTER_LR * (pseudo_gradient + OUTER_MOMENTUM * momentum)
+        for trainer in trainers:
+            assert torch.allclose(torch.tensor(trainer["outer"]), outer)  # they started the round together
+            assert torch.allclose(torch.tensor(trainer["after"]), expected, atol=1e-5), (trainer, expected)
+            assert torch.allclose(torch.tensor(trainer["momentum"]), momentum, atol=1e-5)
+        assert trainers[0]["after"] == trainers[1]["after"]
+        assert trainers[0]["local"] != trainers[1]["local"]  # they did drift apart in between
+
+        processes.append(start("joiner", 0, tmp_path))
+        joiner = wait_for(tmp_path / "joiner0.json", processes[2:], 120)
+        assert joiner["epoch"] == INNER_STEPS
+        assert torch.allclose(torch.tensor(joiner["weight"]), expected, atol=1e-5)
+        assert joiner["outer"] == joiner["weight"]
+        assert torch.allclose(torch.tensor(joiner["momentum"]), momentum, atol=1e-5)
+    finally:
+        (tmp_path / "stop").touch()
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # whatever of its group is left (its DHT, averagers, p2pd), also after the peer itself exited
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="one peer of the diloco swarm test")
+    parser.add_argument("role", choices=["trainer", "joiner"])
+    parser.add_argument("index", type=int)
+    parser.add_argument("folder", type=Path)
+    arguments = parser.parse_args()
+    sys.exit(run_peer(arguments.role, arguments.index, arguments.folder))
