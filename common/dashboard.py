@@ -108,6 +108,8 @@ class StepSeries:
             "interval": interval if interval > 0 else None,
             "samples_per_second": _finite(entry["samples"] / interval) if interval > 0 else None,
             "metrics": {name: _finite(value) for name, value in entry["metrics"].items()},
+            "used_share": _finite(entry.get("used_share")),
+            "compute_share": _finite(entry.get("compute_share")),
         }
         self.metric_names.update(point["metrics"])
         if self.count % self.stride == 0:
@@ -126,6 +128,8 @@ class StepSeries:
             "loss": [point["loss"] for point in points],
             "peers": [point["peers"] for point in points],
             "samples_per_second": [point["samples_per_second"] for point in points],
+            "used_share": [point["used_share"] for point in points],
+            "compute_share": [point["compute_share"] for point in points],
             "metrics": {name: [point["metrics"].get(name) for point in points] for name in sorted(self.metric_names)},
         }
 
@@ -171,6 +175,8 @@ class DashboardState:
             "max_global_steps": self.max_global_steps,
             "target_batch_size": self.target_batch_size,
             "loss": latest["loss"] if latest else None,
+            "used_share": latest["used_share"] if latest else None,
+            "compute_share": latest["compute_share"] if latest else None,
             "total_samples": self.total_samples,
             "resumed_steps": self.resumed_steps,
             "active_peers": len(self.active_peers),
@@ -352,7 +358,8 @@ class Dashboard:
 
     def publish(self, leaderboard_rows) -> None:
         """Snapshot now. ``leaderboard_rows``: the monitor's rows (``peer``, ``samples``, ``steps``, ``first_seen``,
-        ``last_seen``); only those public fields are copied, ranked by samples."""
+        ``last_seen``, and ``used_share``/``compute_share`` where known); only those public fields are copied,
+        ranked by samples."""
         self.state.active_peers = self.active_peer_names(time.time())
         self.state.leaderboard = [
             {
@@ -361,6 +368,8 @@ class Dashboard:
                 "steps": int(row["steps"]),
                 "hours_online": (row["last_seen"] - row["first_seen"]) / 3600,
                 "last_seen": row["last_seen"],
+                "used_share": _finite(row.get("used_share")),
+                "compute_share": _finite(row.get("compute_share")),
             }
             for row in sorted(leaderboard_rows, key=lambda row: -row["samples"])
         ]

@@ -36,6 +36,12 @@ class StepRecord(pydantic.BaseModel):
     seconds: pydantic.confloat(ge=0.0, strict=True)  # wall time this peer spent in the step
     time: pydantic.StrictFloat  # unix time when the step ended for this peer
     metrics: Dict[pydantic.StrictStr, pydantic.StrictFloat] = {}
+    # this peer process's running totals since it started, at the end of the step: the monitor's compute
+    # utilisation (samples computed that entered a global step; wall time spent computing gradients)
+    computed_total: pydantic.conint(ge=0, strict=True) = 0
+    used_total: pydantic.conint(ge=0, strict=True) = 0
+    gradient_seconds_total: pydantic.confloat(ge=0.0, strict=True) = 0.0
+    wall_seconds_total: pydantic.confloat(ge=0.0, strict=True) = 0.0
 
 
 def records_to_publish(records: List[StepRecord], span_seconds: float) -> List[StepRecord]:
@@ -85,6 +91,18 @@ class StepAggregate:
     contributions: Dict[str, int]  # peer id -> samples
     names: Dict[str, str]  # peer id -> the display name it chose (names may repeat; peer ids do not)
     samples_per_second: Optional[float] = None  # the swarm's rate: samples / time since the previous step ended
+    # peer id -> {"used_share", "compute_share"} from its running totals (peers that publish them)
+    utilisation: Dict[str, Dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def used_share(self) -> Optional[float]:
+        """Of the samples this step's peers computed since they started, the share that entered a global step."""
+        return _share(self.utilisation, "used_share", "computed_total")
+
+    @property
+    def compute_share(self) -> Optional[float]:
+        """Of this step's peers' wall time since they started, the share spent computing gradients."""
+        return _share(self.utilisation, "compute_share", "wall_seconds_total")
 
     def to_json(self) -> dict:
         return {
@@ -98,7 +116,30 @@ class StepAggregate:
             "contributions": self.contributions,
             "names": self.names,
             "samples_per_second": self.samples_per_second,
+            "utilisation": self.utilisation,
+            "used_share": self.used_share,
+            "compute_share": self.compute_share,
         }
+
+
+def _share(utilisation: Dict[str, Dict[str, float]], share: str, weight: str) -> Optional[float]:
+    """The swarm's share: the peers' shares weighted by what each share is of (samples or seconds)."""
+    total = sum(peer[weight] for peer in utilisation.values())
+    if total <= 0:
+        return None
+    return sum(peer[share] * peer[weight] for peer in utilisation.values()) / total
+
+
+def peer_utilisation(record: StepRecord) -> Optional[Dict[str, float]]:
+    """One peer's utilisation from its running totals, or None for a record without them."""
+    if record.computed_total <= 0 or record.wall_seconds_total <= 0:
+        return None
+    return {
+        "used_share": min(1.0, record.used_total / record.computed_total),
+        "compute_share": min(1.0, record.gradient_seconds_total / record.wall_seconds_total),
+        "computed_total": float(record.computed_total),
+        "wall_seconds_total": record.wall_seconds_total,
+    }
 
 
 def aggregate_step(step: int, records: Dict[str, StepRecord], names: Optional[Dict[str, str]] = None) -> StepAggregate:
@@ -124,6 +165,11 @@ def aggregate_step(step: int, records: Dict[str, StepRecord], names: Optional[Di
         metrics=metrics,
         contributions={peer: record.samples for peer, record in sorted(records.items())},
         names={peer: (names or {}).get(peer, peer) for peer in sorted(records)},
+        utilisation={
+            peer: utilisation
+            for peer, utilisation in ((peer, peer_utilisation(records[peer])) for peer in sorted(records))
+            if utilisation is not None
+        },
     )
 
 
@@ -183,7 +229,18 @@ class HistoryWriter:
         metric_names = sorted(aggregate.metrics)
         with self.csv_path.open("a") as csv_file:
             if new_file:
-                header = ["step", "peers", "samples", "samples_per_second", "loss", "seconds", "time", *metric_names]
+                header = [
+                    "step",
+                    "peers",
+                    "samples",
+                    "samples_per_second",
+                    "loss",
+                    "seconds",
+                    "time",
+                    "used_share",
+                    "compute_share",
+                    *metric_names,
+                ]
                 csv_file.write(",".join(header) + "\n")
             rate = aggregate.samples_per_second
             values = [
@@ -194,6 +251,10 @@ class HistoryWriter:
                 f"{aggregate.loss:.6f}",
                 f"{aggregate.seconds:.3f}",
                 f"{aggregate.time:.3f}",
+                *(
+                    "" if share is None else f"{share:.4f}"
+                    for share in (aggregate.used_share, aggregate.compute_share)
+                ),
                 *(f"{aggregate.metrics[name]:.6f}" for name in metric_names),
             ]
             csv_file.write(",".join(str(value) for value in values) + "\n")

@@ -50,7 +50,7 @@ class StepAccumulator:
         if batch_ids is not None:
             self.micro_batches.append(batch_ids)
 
-    def record(self) -> StepRecord:
+    def record(self, totals: "ComputeTotals") -> StepRecord:
         now = time.time()
         samples = max(self.samples, 1)
         return StepRecord(
@@ -60,7 +60,22 @@ class StepAccumulator:
             seconds=float(max(0.0, now - self.started)),
             time=float(now),
             metrics={name: float(total / samples) for name, total in self.metric_sums.items()},
+            computed_total=totals.computed,
+            used_total=totals.used + self.samples,
+            gradient_seconds_total=float(totals.gradient_seconds),
+            wall_seconds_total=float(max(0.0, now - totals.started)),
         )
+
+
+@dataclass
+class ComputeTotals:
+    """This process's running totals since the loop started: what its step records carry for the monitor's
+    compute utilisation (``used``: samples in the global steps recorded so far)."""
+
+    started: float
+    computed: int = 0
+    used: int = 0
+    gradient_seconds: float = 0.0
 
 
 @dataclass
@@ -164,9 +179,10 @@ class Trainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.steps_log = self.output_dir / "steps.jsonl"
 
-    def _finish_step(self, accumulator: StepAccumulator, finished_step: int) -> None:
+    def _finish_step(self, accumulator: StepAccumulator, finished_step: int, totals: ComputeTotals) -> None:
         accumulator.step = finished_step
-        record = accumulator.record()
+        record = accumulator.record(totals)
+        totals.used += record.samples
         self.records.append(record)
         self.backend.publish(self.records)
         entry = {"peer": self.peer_name, **record.dict()}
@@ -192,7 +208,8 @@ class Trainer:
         model = self.backend.prepare_model(self.task.model)
         model.train()
         started = time.time()
-        compute_seconds, gradient_seconds, samples_total, skipped = 0.0, 0.0, 0, 0
+        compute_seconds, skipped = 0.0, 0
+        totals = ComputeTotals(started=started)
         last_log = started
         stopped_by = "max_global_steps"
         accumulator = StepAccumulator(step=self.backend.global_step)
@@ -236,7 +253,7 @@ class Trainer:
                 self.backend.zero_grad()
                 continue
             self.task.after_backward(self.task.model, self.backend.global_step)
-            gradient_seconds += time.perf_counter() - tick
+            totals.gradient_seconds += time.perf_counter() - tick
             scaler_judges = self.backend.grad_scaler is not None  # it skips (and lowers the scale) by itself
             if self.skip_nonfinite and not scaler_judges and not _all_finite(self.task.model.parameters()):
                 skipped += 1
@@ -256,10 +273,10 @@ class Trainer:
                 # the swarm's state replaced our accumulated work, or an fp16 overflow discarded it
                 accumulator = StepAccumulator(step=self.backend.global_step)
             compute_seconds += time.perf_counter() - tick
-            samples_total += output.batch_size
+            totals.computed += output.batch_size
             startup.first_contribution()
             if finished is not None:
-                self._finish_step(accumulator, finished)
+                self._finish_step(accumulator, finished, totals)
                 accumulator = StepAccumulator(step=self.backend.global_step)
                 if not all(bool(torch.isfinite(param).all()) for param in self.task.model.parameters()):
                     logger.error(f"parameters are not finite after global step {finished}: recovering")
@@ -269,12 +286,12 @@ class Trainer:
             if now - last_log >= self.log_every_seconds:
                 self._warn_if_waiting_on_data(now - last_log)
                 last_log = now
-                self._log_progress(started, samples_total)
+                self._log_progress(started, totals.computed)
 
         summary = TrainingSummary(
             peer_name=self.peer_name,
             global_steps=self.backend.global_step,
-            samples=samples_total,
+            samples=totals.computed,
             wall_seconds=time.time() - started,
             compute_seconds=compute_seconds,
             skipped_nonfinite=skipped,
@@ -282,8 +299,8 @@ class Trainer:
             overflow_discards=self.backend.overflow_discards,
             loss_scale=self.backend.loss_scale,
             peak_memory_mb=peak_memory_mb(self.device),
-            samples_used=sum(record.samples for record in self.records),
-            gradient_seconds=gradient_seconds,
+            samples_used=totals.used,
+            gradient_seconds=totals.gradient_seconds,
         )
         logger.info(
             f"stopped ({stopped_by}) at global step {summary.global_steps}: {summary.samples} samples, "

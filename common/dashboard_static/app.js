@@ -34,6 +34,11 @@ function wallTime(unixSeconds) {
     `${pad(date.getHours())}:${pad(date.getMinutes())}:${pad(date.getSeconds())}`;
 }
 
+function formatShare(value) {
+  if (value === null || value === undefined) return "\u2013";
+  return `${(100 * value).toFixed(0)} %`;
+}
+
 function setText(id, text) {
   document.getElementById(id).textContent = text;
 }
@@ -45,6 +50,10 @@ function chartSpecs(series) {
   });
   specs.push({ key: "peers", title: "peers per global step", y: series.peers, shape: "hv" });
   specs.push({ key: "rate", title: "swarm samples/s", y: series.samples_per_second });
+  if ((series.used_share || []).some((value) => value !== null)) {
+    specs.push({ key: "used", title: "share of computed samples used", y: series.used_share });
+    specs.push({ key: "computing", title: "share of time computing", y: series.compute_share });
+  }
   return specs;
 }
 
@@ -92,7 +101,8 @@ function drawLeaderboard(rows, now) {
   rows.forEach((row, index) => {
     const cells = [
       String(index + 1), row.peer, formatNumber(row.samples, 0), formatNumber(row.steps, 0),
-      formatDuration(row.hours_online * 3600), `${formatDuration(Math.max(0, now - row.last_seen))} ago`,
+      formatDuration(row.hours_online * 3600), formatShare(row.used_share), formatShare(row.compute_share),
+      `${formatDuration(Math.max(0, now - row.last_seen))} ago`,
     ];
     const tr = document.createElement("tr");
     cells.forEach((text, column) => {
@@ -116,6 +126,8 @@ function render(state) {
   setText("samples-per-second", formatNumber(state.samples_per_second, 1));
   setText("total-samples", formatNumber(state.total_samples, 0));
   setText("loss", formatNumber(state.loss, 4));
+  setText("used-share", formatShare(state.used_share));
+  setText("compute-share", formatShare(state.compute_share));
   const checkpoint = state.checkpoint;
   setText("checkpoint", checkpoint ? `step ${checkpoint.step}: ${checkpoint.file} (${wallTime(checkpoint.time)})` :
     (state.checkpoints_enabled ? "none yet" : "checkpoints off"));

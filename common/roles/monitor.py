@@ -94,6 +94,9 @@ class Leaderboard:
             row["samples"] += samples
             row["steps"] += 1
             row["last_seen"] = entry["time"]
+            utilisation = entry.get("utilisation", {}).get(peer_id)
+            if utilisation is not None:  # as of its newest step (a restarted process starts its totals afresh)
+                row["used_share"], row["compute_share"] = utilisation["used_share"], utilisation["compute_share"]
 
     def write(self) -> None:
         ranked = sorted(self.rows.values(), key=lambda row: -row["samples"])
@@ -209,9 +212,10 @@ class Monitor:
                 f" | {name} {value:.3f}" for name, value in aggregate.metrics.items() if name.endswith("accuracy")
             )
             rate = "" if aggregate.samples_per_second is None else f" | {aggregate.samples_per_second:.1f} samples/s"
+            used = "" if aggregate.used_share is None else f" | {aggregate.used_share:.0%} of computed samples used"
             logger.info(
                 f"global step {aggregate.step}: loss {aggregate.loss:.4f} | {aggregate.peers} peers | "
-                f"{aggregate.samples} samples{rate}{accuracy}"
+                f"{aggregate.samples} samples{rate}{accuracy}{used}"
             )
         if ready:
             self.leaderboard.write()

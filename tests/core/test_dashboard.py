@@ -177,7 +177,15 @@ def test_leaderboard_and_snapshot_carry_only_public_fields(tmp_path):
         state = json.loads(body)
         assert status == 200 and b"SECRET-TOKEN" not in body
         assert state["leaderboard"] == [
-            {"peer": "alice", "samples": 10, "steps": 1, "hours_online": 1.0, "last_seen": 3601.0}
+            {
+                "peer": "alice",
+                "samples": 10,
+                "steps": 1,
+                "hours_online": 1.0,
+                "last_seen": 3601.0,
+                "used_share": None,
+                "compute_share": None,
+            }
         ]
         assert state["active_peers"] == 1 and state["resumed_steps"] == 1
     finally:
@@ -320,6 +328,7 @@ def test_a_browser_sees_the_live_run(tmp_path, tiny_overrides):
         and first["loss_points"] >= 2
         and "loss" in first["charts"]
         and "swarm samples/s" in first["charts"]
+        and "share of computed samples used" in first["charts"]
     )
     assert float(first["rate"].replace(",", "")) > 0
     monitor_peer_id = swarm.initial_peers[0].rsplit("/p2p/", 1)[1]

@@ -78,6 +78,12 @@ def test_three_trainers_aux_and_monitor_train_together(tmp_path, tiny_overrides)
         assert report["used_share"][name] == summary["samples_used"] / summary["samples"] > 0
         assert 0 < report["compute_share"][name] < 1
     assert "computed samples that entered a global step" in format_report(report)
+    # the monitor's history carries the same figures: each trainer's last record holds its totals at the end
+    last_shares = {history[-1]["names"][peer]: shares for peer, shares in history[-1]["utilisation"].items()}
+    for name, summary in zip(trainers, summaries):
+        if name in last_shares:  # it took part in the last step
+            assert last_shares[name]["used_share"] == pytest.approx(summary["samples_used"] / summary["samples"])
+    assert last_shares and all(entry["used_share"] is not None for entry in history)
     finals = {
         name: (tmp_path / name / "peer.log").read_text().count("averaging the final parameters") for name in trainers
     }
