@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Sequence, Tuple
 import torch
 from tqdm import tqdm
 
+from common.errors import DataError
 from common.seeding import stable_seed
 from common.task import SAMPLE_IDS, Batch
 from common.text.blocks import shuffled_plan
@@ -110,7 +111,11 @@ def build_examples(
             create_sop_instances([s for s in encoded if s], max_seq_length, short_seq_probability, rng, ids)
         )
     if not examples:
-        raise ValueError("the corpus produced no sentence pairs")
+        raise DataError(
+            f"the corpus gave no sentence-order example: none of its {len(documents)} documents has two sentences "
+            "(ALBERT learns the order of consecutive sentences of one document, and each line of a text file is "
+            "one document: put each document's sentences on one line, or use .jsonl with a text field per document)"
+        )
     return {name: torch.tensor([example[name] for example in examples], dtype=torch.long) for name in examples[0]}
 
 

@@ -152,3 +152,34 @@ def test_blockwise8bit_without_bitsandbytes_is_refused_at_load():
     with pytest.raises(ConfigError, match="compression=blockwise8bit needs the bitsandbytes package"):
         load_config(TINY, ["collaboration.compression=blockwise8bit"])
     assert load_config(TINY, ["collaboration.compression=uniform8bit"]).collaboration.compression == "uniform8bit"
+
+
+def test_a_corpus_of_one_sentence_lines_is_one_line_error(tmp_path):
+    lines = [f"Sentence number {index} says one thing about the weather." for index in range(400)]
+    corpus = tmp_path / "one_sentence_per_line.txt"
+    corpus.write_text("\n".join(lines) + "\n")
+    result = run_script(
+        "scripts/train.py",
+        "--config",
+        TINY,
+        f"task.corpus={corpus}",
+        f"task.cache_dir={tmp_path / 'cache'}",
+        "task.vocab_size=200",
+        f"training.output_dir={tmp_path / 'run'}",
+        timeout=240,
+    )
+    assert_one_line_error(result, "none of its 400 documents has two sentences")
+
+
+def test_an_unreadable_examples_cache_is_rebuilt(tmp_path, caplog):
+    from common.text.cache import load_or_build_examples
+
+    path = tmp_path / "examples-0123.pt"
+    examples = {"input_ids": torch.arange(6).view(2, 3)}
+    load_or_build_examples(path, lambda: examples)
+    path.write_bytes(path.read_bytes()[:40])  # a truncated copy
+    rebuilt = load_or_build_examples(path, lambda: {"input_ids": torch.ones(2, 3, dtype=torch.long)})
+    assert torch.equal(rebuilt["input_ids"], torch.ones(2, 3, dtype=torch.long))
+    assert "unreadable" in caplog.text and torch.equal(
+        torch.load(path, weights_only=True)["input_ids"], rebuilt["input_ids"]
+    )
