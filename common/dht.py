@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import itertools
 import logging
 import shlex
 import socket
 import time
-from concurrent.futures import InvalidStateError
 from typing import List, Optional, Sequence, Union
 
 import hivemind
-from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PDaemonError
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.multiaddr import Multiaddr
 
+from common import hivemind_patches
 from common.config import NetworkConfig
 from common.errors import PeerError
-from common.hivemind_compat import (
-    close_averager_p2p_on_shutdown,
-    deliver_whole_streams,
-    finish_abandoned_executor_maps,
-    keep_inbound_stream_handlers_alive,
-    require_pinned_hivemind,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +60,8 @@ def start_dht(
             "a client-mode peer accepts no inbound connections, so it cannot start a swarm: "
             "give network.initial_peers of a peer that is not in client mode"
         )
-    require_pinned_hivemind()  # the patches below replace its private internals
-    # before the DHT's process (and later the averagers') is forked
-    keep_inbound_stream_handlers_alive()
-    deliver_whole_streams()
-    close_averager_p2p_on_shutdown()
-    finish_abandoned_executor_maps()
-    check_identity_within(network.daemon_start_timeout)
-    log_rounds_finished_after_cancel_in_one_line()
+    # every peer role starts here, before any hivemind process (the DHT's, later the averagers') is forked
+    hivemind_patches.install()
     deadline = time.monotonic() + network.startup_deadline
     host_maddrs = list(network.host_maddrs)
     if kept_port is not None:
@@ -122,64 +107,6 @@ def start_dht(
     return dht
 
 
-class _RoundFinishedAfterCancel(logging.Filter):
-    """Two routine faults asyncio logs as "Task exception was never retrieved" with a traceback; one INFO line each
-    instead (every other unretrieved exception keeps its level and traceback):
-
-    * hivemind's averager sets the result of an all-reduce round on its step future without checking whether the
-      optimizer cancelled that step meanwhile (an auxiliary peer's pre-scheduled round it no longer needs, a peer
-      stopping): ``InvalidStateError: Can't set_result to a future that is CANCELLED``. Nobody waits for the result.
-    * a request with a timeout (``asyncio.wait_for``) run as a task whose caller stopped waiting (a peer that left,
-      a start-up attempt given up): the ``TimeoutError`` is the request's routine end.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        unretrieved = str(record.msg).split("\n", 1)[0] in UNRETRIEVED
-        if isinstance(error, InvalidStateError) and "CANCELLED" in str(error):
-            self._one_line(record, "an averaging round finished after its step was cancelled: result dropped")
-        elif unretrieved and isinstance(error, TimeoutError) and "wait_for()" in str(record.msg):
-            self._one_line(record, "a request timed out after its caller had stopped waiting for it")
-        elif unretrieved and isinstance(error, asyncio.CancelledError):
-            self._one_line(record, "a part of an averaging round was abandoned when the round was cut off")
-        return True
-
-    @staticmethod
-    def _one_line(record: logging.LogRecord, message: str) -> None:
-        record.msg, record.args = message, ()
-        record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
-        record.exc_info, record.exc_text = None, None
-
-
-UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
-
-
-class _AllReduceCutOff(logging.Filter):
-    """hivemind logs an all-reduce round cut off at its timeout (a groupmate frozen or gone mid-round: its parts
-    never came) with ``logger.exception``: "Unable to run All-Reduce:" and two chained tracebacks. The optimizer
-    reports the outcome itself ("Averaging failed with ..."); one WARNING line instead. Other failures keep theirs."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        cause = error.__cause__ or error.__context__ if error is not None else None
-        if "Unable to run All-Reduce" in str(record.msg) and isinstance(cause, (asyncio.CancelledError, TimeoutError)):
-            record.msg, record.args = (
-                "an all-reduce round was cut off at its timeout: a groupmate stopped answering",
-                (),
-            )
-            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-def log_rounds_finished_after_cancel_in_one_line() -> None:
-    """Install :class:`_RoundFinishedAfterCancel` on asyncio's logger (before hivemind's processes are forked)."""
-    for name, kind in (("asyncio", _RoundFinishedAfterCancel), ("hivemind.averaging.averager", _AllReduceCutOff)):
-        target = logging.getLogger(name)
-        if not any(isinstance(existing, kind) for existing in target.filters):
-            target.addFilter(kind())
-
-
 def port_is_free(port: int) -> bool:
     """Whether a TCP listener could bind ``port`` on every interface (as p2pd does, reusing the address)."""
     with socket.socket() as probe:
@@ -214,34 +141,6 @@ def _start_dht_once(network, host_maddrs, initial_peers, record_validators, auth
         startup_timeout=network.daemon_start_timeout,
         start=True,
     )
-
-
-def check_identity_within(startup_timeout: float) -> None:
-    """hivemind checks that a peer's existing identity is not in use by starting a second p2p daemon, with its
-    fixed 15 s start timeout: on a busy machine that check alone failed restarts ("Daemon failed to start in 15.0
-    seconds"). The same check, with the configured timeout. Applied before the DHT's process is forked."""
-
-    async def is_identity_taken(cls, identity_path, *, initial_peers, tls, use_auto_relay, use_ipfs, use_relay):
-        with open(identity_path, "rb") as handle:
-            peer_id = PeerID.from_identity(handle.read())
-        anonymous_p2p = await cls.create(
-            initial_peers=initial_peers,
-            dht_mode="client",
-            tls=tls,
-            use_auto_relay=use_auto_relay,
-            use_ipfs=use_ipfs,
-            use_relay=use_relay,
-            startup_timeout=startup_timeout,
-        )
-        try:
-            await anonymous_p2p._client.connect(peer_id, [])
-            return True
-        except ControlFailure:
-            return False
-        finally:
-            await anonymous_p2p.shutdown()
-
-    P2P.is_identity_taken = classmethod(is_identity_taken)
 
 
 # Address ranges reserved for documentation and benchmarks (RFC 5737, RFC 2544). The peer routing of p2pd (libp2p's

@@ -67,18 +67,7 @@ def setup_logging(name: str, log_file: Optional[Path] = None, level: int = loggi
         handlers=handlers,
         force=True,
     )
-    # imported here: it imports hivemind, which only the peers' processes need
-    from common.hivemind_compat import (
-        log_ended_averagers_as_warnings,
-        log_groupless_rounds_as_warnings,
-        log_unreachable_state_sources_as_info,
-        quiet_requests_from_exited_processes,
-    )
-
-    quiet_requests_from_exited_processes()  # before any DHT or averager process is forked: they inherit the filters
-    log_groupless_rounds_as_warnings()
-    log_unreachable_state_sources_as_info()
-    log_ended_averagers_as_warnings()
+    # hivemind's own records are rewritten by the log policies of common.hivemind_patches, which start_dht installs
     for noisy in ("hivemind", "urllib3", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # hivemind.Optimizer's per-step status (how many peers each averaging round had, fallbacks to local gradients)

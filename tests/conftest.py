@@ -17,6 +17,20 @@ def pytest_addoption(parser):
         default="template",
         help="the experiment package tests/tasks/test_contract.py checks, with its configs/<task>/tiny.yaml",
     )
+    parser.addoption(
+        "--without-patch",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="leave this hivemind patch out (common/hivemind_patches): its regression test must then fail",
+    )
+
+
+def pytest_configure(config):
+    # as every peer does in common.dht.start_dht: before any hivemind process is forked, which inherit the patches
+    from common import hivemind_patches
+
+    hivemind_patches.install(without=config.getoption("--without-patch"))
 
 
 @pytest.fixture

@@ -170,16 +170,11 @@ def run_worker(plan: dict) -> None:
     from hivemind.averaging.control import AveragingStage
 
     torch.set_num_threads(1)
-    from common.hivemind_compat import (
-        deliver_whole_streams,
-        read_8bit_tensors_with_numpy_2,
-        stream_results_to_zero_share_full_peers,
-    )
+    from common import hivemind_patches
 
-    read_8bit_tensors_with_numpy_2()  # as every trainer does
-    deliver_whole_streams()
-    if plan["zero_share_results"] == "streamed":
-        stream_results_to_zero_share_full_peers()
+    # as every peer does; the "after-sending" rows measure hivemind's own delivery to zero-share peers
+    held_back = () if plan["zero_share_results"] == "streamed" else ("stream_results_to_zero_share_full_peers",)
+    hivemind_patches.install(without=held_back)
     if plan["trace_interval"] > 0:
         log_result_arrivals(Path(plan["results_file"]).with_name(f"arrivals_{plan['host']['name']}.jsonl"))
         log_daemon_handoffs(Path(plan["results_file"]).with_name(f"handoffs_{plan['host']['name']}.jsonl"))

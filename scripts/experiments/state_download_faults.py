@@ -118,9 +118,6 @@ def start_peer_dht(initial_peers, protocol: str):
     if protocol == "ours":
         from common.config import NetworkConfig
         from common.dht import start_dht
-        from common.hivemind_compat import log_unreachable_state_sources_as_info
-
-        log_unreachable_state_sources_as_info()  # as every peer's logging set-up does
 
         network = NetworkConfig(initial_peers=list(initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         return start_dht(network)

@@ -1,12 +1,11 @@
-"""An averager that shuts down leaves no Unix socket file of its p2p client behind."""
+"""An averager that shuts down leaves no Unix socket file of its p2p client behind (the fix
+``close_averager_p2p_on_shutdown``; ``pytest --without-patch close_averager_p2p_on_shutdown`` fails it)."""
 
 from pathlib import Path
 
 import hivemind
 import psutil
 import torch
-
-from common.hivemind_compat import close_averager_p2p_on_shutdown
 
 
 def p2p_client_sockets(pid: int) -> list:
@@ -19,7 +18,6 @@ def p2p_client_sockets(pid: int) -> list:
 
 
 def test_averager_shutdown_removes_its_p2p_client_socket():
-    close_averager_p2p_on_shutdown()  # before the averager's process is forked, as every peer does
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:
         averager = hivemind.DecentralizedAverager(

@@ -10,7 +10,7 @@ import hivemind
 import pytest
 
 from common.config import CollaborationConfig
-from common.hivemind_compat import catch_up_one_step_behind, close_averager_p2p_on_shutdown
+from common.hivemind_compat import catch_up_one_step_behind
 from common.optimizer import make_collaborative_optimizer
 from tests.helpers import OneWeightTask
 
@@ -65,7 +65,6 @@ def test_off_by_default():
 @pytest.mark.parametrize("catch_up", [False, True])
 def test_the_setting_reaches_the_optimizer(catch_up):
     """A hivemind.Optimizer built from the config, one step behind the swarm right after an update."""
-    close_averager_p2p_on_shutdown()  # as every peer does before its averagers' processes are forked
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:
         collab = CollaborationConfig(run_id="catch_up_test", catch_up_one_step_behind=catch_up)

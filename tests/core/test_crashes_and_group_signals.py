@@ -208,14 +208,13 @@ def test_monitor_exits_quickly_and_cleanly_on_sigterm_to_its_process_group(tmp_p
 def test_shutting_down_an_averager_that_already_ended_is_one_warning_line():
     import logging
 
-    from common.hivemind_compat import ENDED_AVERAGER, log_ended_averagers_as_warnings
+    from common.hivemind_compat import ENDED_AVERAGER  # the policy's filter is installed by tests/conftest.py
 
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     averager_logger = logging.getLogger("hivemind.averaging.averager")
     averager_logger.addHandler(handler)
-    log_ended_averagers_as_warnings()
 
     def shutdown(message: str) -> None:  # named like hivemind's averager method, where the record comes from
         averager_logger.exception(message)

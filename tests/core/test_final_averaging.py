@@ -16,9 +16,9 @@ import hivemind
 import pytest
 import torch
 
+from common import hivemind_patches
 from common.backends import CollaborativeBackend, RunFingerprints
 from common.config import CollaborationConfig
-from common.hivemind_compat import close_averager_p2p_on_shutdown
 from common.optimizer import make_collaborative_optimizer
 from common.swarm import stop_process_group
 from tests.helpers import ROOT, OneWeightTask
@@ -62,7 +62,7 @@ def trainers_seen(backends: List[CollaborativeBackend], count: int):
 
 @contextlib.contextmanager
 def two_trainers(weights=(1.0, 3.0)):
-    close_averager_p2p_on_shutdown()  # as every peer does before its averagers' processes are forked
+    hivemind_patches.install()  # as every peer does; in the fresh interpreter no conftest did it
     first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     second = hivemind.DHT(
         host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(a) for a in first.get_visible_maddrs()], start=True

@@ -11,7 +11,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from common.config import CollaborationConfig, Semantics
-from common.hivemind_compat import close_averager_p2p_on_shutdown, gradient_rounds_start_at_the_update
+from common.hivemind_compat import gradient_rounds_start_at_the_update
 from common.optimizer import make_collaborative_optimizer
 from tests.helpers import OneWeightTask
 
@@ -98,7 +98,6 @@ def test_a_scheduled_round_is_the_one_started():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("semantics, patched", [(Semantics.sync, False), (Semantics.dpu, True)])
 def test_dpu_optimizers_get_it(semantics, patched):
-    close_averager_p2p_on_shutdown()  # as every peer does before its averagers' processes are forked
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:
         collab = CollaborationConfig(run_id="gradient_rounds_test", semantics=semantics)

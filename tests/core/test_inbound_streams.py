@@ -1,4 +1,5 @@
-"""An inbound p2p stream whose handler waits with the socket's reading paused survives a garbage collection."""
+"""An inbound p2p stream whose handler waits with the socket's reading paused survives a garbage collection (the fix
+``keep_inbound_stream_handlers_alive``; ``pytest --without-patch keep_inbound_stream_handlers_alive`` fails it)."""
 
 import asyncio
 import gc
@@ -8,8 +9,6 @@ from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerID, StreamInfo
 from hivemind.p2p.p2p_daemon_bindings.utils import write_pbmsg
 from hivemind.utils.multiaddr import Multiaddr
-
-from common.hivemind_compat import keep_inbound_stream_handlers_alive
 
 PROTOCOL = "/dedloc/test/1"
 
@@ -42,5 +41,4 @@ async def handler_alive_after_collection(socket_path: str) -> bool:
 
 
 def test_paused_inbound_stream_handler_survives_garbage_collection(tmp_path):
-    keep_inbound_stream_handlers_alive()
     assert asyncio.run(handler_alive_after_collection(str(tmp_path / "control.sock")))

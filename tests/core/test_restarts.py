@@ -177,8 +177,8 @@ UNRETRIEVED_PROBE = """
 import asyncio, gc, logging, sys
 from concurrent.futures import InvalidStateError
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
-from common.dht import log_rounds_finished_after_cancel_in_one_line
-log_rounds_finished_after_cancel_in_one_line()
+from common import hivemind_patches
+hivemind_patches.install()
 
 async def cancelled_round():
     raise InvalidStateError("Can't set_result to a future that is CANCELLED (1)")

@@ -17,7 +17,7 @@ import pytest
 
 from common.dht import unrouted_addresses_problem
 from common.errors import PeerError
-from common.hivemind_compat import _download_state, log_unreachable_state_sources_as_info
+from common.hivemind_patches.policies import _download_state
 from tests.helpers import PYTHON, ROOT, assert_no_processes_left, run_script
 
 TINY = str(ROOT / "configs/albert/tiny.yaml")
@@ -62,13 +62,13 @@ def never() -> bool:
 
 def test_a_failing_download_gives_up_at_the_deadline_with_one_line_per_attempt():
     optimizer = fake_optimizer([], swarm_epoch=0, default=TimeoutError())
-    records, handler = capture("common.hivemind_compat")
+    records, handler = capture("common.hivemind_patches.policies")
     started = time.monotonic()
     try:
         with pytest.raises(PeerError) as raised:
             _download_state(optimizer, deadline=2.5, stop_requested=never, kwargs={})
     finally:
-        logging.getLogger("common.hivemind_compat").removeHandler(handler)
+        logging.getLogger("common.hivemind_patches.policies").removeHandler(handler)
     elapsed = time.monotonic() - started
     assert 2.5 <= elapsed < 4.0  # backoff 1 s, then 2 s cut to what is left of the deadline
     message = str(raised.value)
@@ -114,7 +114,6 @@ def test_an_unreachable_state_source_is_one_info_line_and_other_download_errors_
 
     records, handler = capture("hivemind.averaging.averager")
     averager_logger = logging.getLogger("hivemind.averaging.averager")
-    log_unreachable_state_sources_as_info()
 
     def _load_state_from_peers(
         error: Exception,

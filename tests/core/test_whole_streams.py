@@ -1,5 +1,7 @@
 """p2p streams end with a marker, and a served stream stays open until its caller has read the last response
-(common.hivemind_compat.deliver_whole_streams): two real p2p daemons on loopback."""
+(the fix ``deliver_whole_streams`` in common/hivemind_patches/fixes.py, installed by tests/conftest.py): two real
+p2p daemons on loopback. ``pytest --without-patch deliver_whole_streams`` fails the first test (hivemind closes the
+stream at its last response)."""
 
 import asyncio
 import time
@@ -7,8 +9,6 @@ import time
 import pytest
 from hivemind.p2p import P2P, P2PHandlerError
 from hivemind.proto import runtime_pb2
-
-from common.hivemind_compat import deliver_whole_streams, keep_inbound_stream_handlers_alive
 
 HANDLER = "whole_streams_test"
 
@@ -36,12 +36,6 @@ async def with_two_daemons(handler, talk, stream_input: bool = False):
 def served_streams(server: P2P) -> int:
     """Inbound streams the server's process is still serving (tracked by keep_inbound_stream_handlers_alive)."""
     return len(getattr(server._client.control, "_running_stream_handlers", ()))
-
-
-@pytest.fixture(autouse=True)
-def patched():
-    keep_inbound_stream_handlers_alive()
-    deliver_whole_streams()
 
 
 @pytest.mark.timeout(120)

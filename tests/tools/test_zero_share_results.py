@@ -1,7 +1,8 @@
 """A slow full peer that the load balancer gives no share of the all-reduce overlaps its upload and download.
 
 hivemind 1.1.12 holds back such a peer's averaged parts until it has sent its whole vector (it mistakes a share of
-0 for client mode); common.hivemind_compat.stream_results_to_zero_share_full_peers undoes that for full peers.
+0 for client mode); the fix stream_results_to_zero_share_full_peers (common/hivemind_patches/fixes.py) undoes that
+for full peers; the benchmark leaves it out for its "after-sending" rows.
 """
 
 import csv

@@ -1,0 +1,176 @@
+"""The patch layer over hivemind (common/hivemind_patches): one install per process, before any DHT starts; a patch
+can be disabled to show the fault it fixes; and the regression tests of the fixes that have no file of their own.
+
+Each fix's regression test fails with the fix left out: ``pytest tests/core/test_X.py --without-patch NAME`` (see
+the patch table in common/README.md for which test belongs to which fix)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.compression.quantization import Quantization
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+
+from common import hivemind_patches
+from common.config import NetworkConfig
+from common.dht import start_dht
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_every_peer_installs_the_patches_before_its_dht_starts(monkeypatch):
+    def install():
+        raise _Stop  # start_dht must not have started anything yet
+
+    monkeypatch.setattr(hivemind_patches, "install", install)
+    with pytest.raises(_Stop):
+        start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+
+
+def test_a_disabled_patch_gives_hivemind_its_own_code_back_and_is_applied_again_after():
+    patched = Quantization.extract
+    assert patched.__qualname__.startswith("read_8bit_tensors_with_numpy_2.")
+    with hivemind_patches.disabled("read_8bit_tensors_with_numpy_2"):
+        assert Quantization.extract.__qualname__ == "Quantization.extract"
+        assert "without read_8bit_tensors_with_numpy_2" in hivemind_patches.software_fingerprint()
+    assert Quantization.extract.__qualname__.startswith("read_8bit_tensors_with_numpy_2.")
+    assert hivemind_patches.software_fingerprint().endswith(f"patch set {hivemind_patches.PATCH_SET_VERSION}")
+
+
+def test_disabling_a_log_policy_removes_its_filter_only_inside_the_block():
+    import logging
+
+    from common.hivemind_patches.policies import _GrouplessRound
+
+    def groupless_filters():
+        return [
+            item
+            for item in logging.getLogger("hivemind.averaging.averager").filters
+            if isinstance(item, _GrouplessRound)
+        ]
+
+    assert len(groupless_filters()) == 1
+    with hivemind_patches.disabled("log_groupless_rounds_as_warnings"):
+        assert groupless_filters() == []
+    assert len(groupless_filters()) == 1
+
+
+def test_an_unknown_patch_name_is_refused():
+    hivemind_patches.require_installed()
+    with pytest.raises(ValueError, match="no such hivemind patch: deliver_streams"):
+        saved, hivemind_patches._installed = hivemind_patches._installed, None
+        try:
+            hivemind_patches.install(without=["deliver_streams"])
+        finally:
+            hivemind_patches._installed = saved
+
+
+def test_every_patch_is_a_fix_or_a_policy_and_says_when_to_remove_it():
+    from common.hivemind_patches import fixes, policies
+
+    for name, apply in hivemind_patches.PROCESS_WIDE.items():
+        assert apply.__module__ in (fixes.__name__, policies.__name__), name
+        if name in hivemind_patches.FIXES:
+            doc = " ".join(apply.__doc__.split())
+            assert "Upstream:" in doc and "Remove when" in doc, name
+
+
+def test_a_slow_full_peer_with_no_share_gets_results_while_it_sends():
+    """The fix ``stream_results_to_zero_share_full_peers``: only client-mode peers are held back (hivemind 1.1.12
+    holds back any peer with a share of 0). ``--without-patch stream_results_to_zero_share_full_peers`` fails it;
+    tests/tools/test_zero_share_results.py measures the effect on emulated links."""
+    fast, slow, client = (PeerID(bytes([0, 1, index])) for index in range(3))
+    runner = object.__new__(AllReduceRunner)
+    runner.ordered_peer_ids = (fast, slow, client)
+    runner.peer_fractions = (1.0, 0.0, 0.0)
+    runner.modes = (AveragingMode.NODE, AveragingMode.NODE, AveragingMode.CLIENT)
+    assert runner.should_delay_results(client)
+    assert not runner.should_delay_results(slow)
+    assert not runner.should_delay_results(fast)
+
+
+def test_the_identity_check_starts_its_daemon_with_the_callers_timeout(tmp_path):
+    """The fix ``identity_check_uses_the_start_timeout`` (hivemind starts the checking daemon with its fixed 15 s).
+    No daemon starts: the check's own ``create`` is intercepted. ``--without-patch
+    identity_check_uses_the_start_timeout`` fails it."""
+    identity = tmp_path / "identity.key"
+    P2P.generate_identity(str(identity))
+    peer_id = PeerID.from_identity(identity.read_bytes())
+    calls = []
+
+    class Probe(P2P):
+        @classmethod
+        async def create(cls, *args, **kwargs):
+            calls.append(kwargs)
+            if len(calls) > 1:  # the identity check's anonymous daemon
+                raise _Stop
+            return await super().create(*args, **kwargs)
+
+    with pytest.raises(_Stop):
+        asyncio.run(
+            Probe.create(
+                identity_path=str(identity),
+                initial_peers=[f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id}"],
+                startup_timeout=42.0,
+            )
+        )
+    assert calls[1].get("startup_timeout") == 42.0
+
+
+class _Averager(DecentralizedAverager):
+    """One class for the donor and the receiver: a peer asks for the handlers of its own class's name."""
+
+    corrupt = False  # the donor flips one byte of the first tensor part it sends
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        flipped = not self.corrupt
+        async for message in super().rpc_download_state(request, context):
+            if not flipped and message.tensor_part.buffer:
+                buffer = bytearray(message.tensor_part.buffer)
+                buffer[len(buffer) // 2] ^= 1
+                message.tensor_part.buffer, flipped = bytes(buffer), True
+            yield message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_state_download_corrupted_in_transit_is_refused():
+    """The fix ``verify_state_downloads``: hivemind 1.1.12 loads whatever arrives (here one flipped byte of the
+    right size). ``--without-patch verify_state_downloads`` fails it."""
+    state = torch.arange(4096, dtype=torch.float32)
+    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = hivemind.DHT(
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(a) for a in first.get_visible_maddrs()], start=True
+    )
+    averagers = []
+    try:
+        donor = _Averager([state.clone()], dht=first, prefix="corrupt_download", target_group_size=2, start=False)
+        donor.corrupt = True  # before its process is forked
+        donor.run_in_background(await_ready=True)
+        averagers.append(donor)
+        receiver = _Averager(
+            [torch.zeros(4096)], dht=second, prefix="corrupt_download", target_group_size=2, start=True
+        )
+        averagers.append(receiver)
+        deadline = time.monotonic() + 30
+        while not second.get("corrupt_download.all_averagers", latest=True) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the donor declares that it shares state
+        loaded = receiver.load_state_from_peers(timeout=10)
+        assert loaded is None  # refused (hivemind returns the corrupt state: (metadata, [tensor]))
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()
