@@ -30,11 +30,8 @@ from common.hivemind_compat import (
     client_mode_argument,
     grad_buffers_for_scaler,
     gradient_rounds_start_at_the_update,
-    keep_inbound_stream_handlers_alive,
-    read_8bit_tensors_with_numpy_2,
-    silence_schedule_fast_forward_warning,
+    require_installed,
     skip_nonfinite_steps,
-    stream_results_to_zero_share_full_peers,
 )
 from common.task import Task
 
@@ -367,10 +364,7 @@ def make_collaborative_optimizer(
     grad_averager_factory = None  # local updates average parameters only: hivemind makes no gradient averager
     if not flags.use_local_updates:
         grad_averager_factory = functools.partial(GradientAverager, bandwidth=collab.bandwidth)
-    silence_schedule_fast_forward_warning()
-    stream_results_to_zero_share_full_peers()  # before the averagers' processes are forked
-    keep_inbound_stream_handlers_alive()
-    read_8bit_tensors_with_numpy_2()
+    require_installed()  # start_dht installed the process-wide patches, before the averagers are forked
     optimizer_class, diloco_options = hivemind.Optimizer, {}
     if diloco:
         optimizer_class = DiLoCoOptimizer
