@@ -42,20 +42,11 @@ __all__ = [
     "grad_buffers_for_scaler",
     "gradient_rounds_start_at_the_update",
     "install",
-    "keep_inbound_stream_handlers_alive",
-    "read_8bit_tensors_with_numpy_2",
     "require_installed",
     "require_pinned_hivemind",
     "restart_throughput_timer",
     "rsa_private_key_from_der",
     "sign_with_identity_key",
-    "silence_schedule_fast_forward_warning",
     "skip_nonfinite_steps",
     "software_fingerprint",
-    "stream_results_to_zero_share_full_peers",
 ]
-
-# common/optimizer.py still calls these four by name (before its averagers are forked); each now means "every
-# process-wide patch", which start_dht has usually installed already (then a call does nothing)
-keep_inbound_stream_handlers_alive = read_8bit_tensors_with_numpy_2 = install
-silence_schedule_fast_forward_warning = stream_results_to_zero_share_full_peers = install
