@@ -4,6 +4,8 @@ A global step takes
 
     step = accumulation + averaging              (semantics sync / local: the averaging round blocks)
     step = max(accumulation, averaging)          (semantics dpu: averaging overlaps the next accumulation)
+    step = accumulation + averaging / H          (semantics diloco: one pseudo-gradient round every H = inner_steps
+                                                  global steps, blocking; no gradient or state rounds between)
 
     accumulation = target_batch_size / sum_i(samples_per_second_i * availability_i)
 
@@ -24,6 +26,11 @@ the critical path; a state (parameter) round runs every ``average_state_every`` 
 hivemind.Optimizer does by default (``delay_state_averaging``), so it costs wall time only where it outlasts the
 next accumulation.
 
+A diloco swarm's pseudo-gradient is parameter-sized, so its round moves the same S bytes as a gradient round, H
+times less often. The model predicts time per global step only: whether diloco reaches a given loss in as many
+samples as ``sync`` is a property of the recipe it does not know (``paper_results/comparison/diloco`` measures it
+at small scale).
+
 An HPC node uses a ring all-reduce over its interconnect: T = overhead + 2 (n-1)/n * S / B, and keeps
 parameters in sync without state rounds.
 
@@ -33,6 +40,7 @@ Preemptible nodes: with ``interruptions_per_hour`` r and ``restart_minutes`` m, 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from dataclasses import dataclass, field
@@ -131,9 +139,15 @@ class SetupConfig:
     interconnect_gbps: Optional[float] = None  # hpc only: per-GPU all-reduce bandwidth
     interconnect_source: str = "assumption"
     nodes: List[NodeGroup] = field(default_factory=list)
+    inner_steps: int = 1  # semantics diloco: global steps between two pseudo-gradient rounds (DiLoCo's H)
 
     def __post_init__(self) -> None:
         require(len(self.nodes) > 0, f"setup {self.name}: nodes must list at least one node group")
+        require(self.inner_steps >= 1, f"setup {self.name}: inner_steps must be >= 1")
+        require(
+            self.semantics != Semantics.diloco or self.kind == SetupKind.swarm,
+            f"setup {self.name}: semantics diloco needs a swarm (an hpc node averages over its interconnect)",
+        )
         require(self.round_overhead_seconds >= 0, "round_overhead_seconds must be >= 0")
         require(
             any(group.role == NodeRole.trainer for group in self.nodes),
@@ -336,13 +350,32 @@ def combine_step_time(accumulation: float, averaging: float, semantics: Semantic
 
 
 def swarm_averaging_seconds(
-    task: TaskSpec, peers: Sequence[Peer], round_overhead: float, accumulation_seconds: float
+    task: TaskSpec,
+    peers: Sequence[Peer],
+    round_overhead: float,
+    accumulation_seconds: float,
+    semantics: Semantics = Semantics.sync,
+    inner_steps: int = 1,
 ) -> float:
     """Averaging time per global step on the critical path: the gradient round, plus whatever part of the
-    (amortised) background state round the next accumulation does not hide."""
+    (amortised) background state round the next accumulation does not hide; for diloco the pseudo-gradient
+    round, amortised over its ``inner_steps`` global steps."""
     one_round = round_overhead + butterfly_seconds(task.vector_bytes, peers)
+    if semantics == Semantics.diloco:
+        return one_round / inner_steps
     state_rounds_per_step = 1.0 / task.average_state_every if task.average_state_every else 0.0
     return one_round + max(0.0, one_round * state_rounds_per_step - accumulation_seconds)
+
+
+def as_diloco(setup: SetupConfig, inner_steps: int) -> SetupConfig:
+    """The same swarm running ``semantics=diloco`` with ``inner_steps`` (named ``<setup>_diloco_h<H>``)."""
+    return dataclasses.replace(
+        setup,
+        name=f"{setup.name}_diloco_h{inner_steps}",
+        description=f"{setup.description} (diloco, an outer round every {inner_steps} global steps)",
+        semantics=Semantics.diloco,
+        inner_steps=inner_steps,
+    )
 
 
 def predict(setup: SetupConfig, task: TaskSpec) -> Prediction:
@@ -361,7 +394,12 @@ def predict(setup: SetupConfig, task: TaskSpec) -> Prediction:
         )
     else:
         averaging = swarm_averaging_seconds(
-            task, expand_peers(setup.nodes), setup.round_overhead_seconds, accumulation
+            task,
+            expand_peers(setup.nodes),
+            setup.round_overhead_seconds,
+            accumulation,
+            setup.semantics,
+            setup.inner_steps,
         )
     step = combine_step_time(accumulation, averaging, setup.semantics)
     total_hours = step * task.global_steps / SECONDS_PER_HOUR

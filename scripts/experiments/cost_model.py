@@ -2,7 +2,7 @@
 
 Cost comparison of the paper's setups for every task spec (CSV + Markdown + PNG):
     python scripts/experiments/cost_model.py compare [--setups configs/setups/*.yaml] \
-        [--tasks configs/setups/tasks/*.yaml]
+        [--tasks configs/setups/tasks/*.yaml] [--diloco-inner-steps 100]
                                          [--output-dir paper_results/cost]
 Predicted vs measured time per global step of a recorded swarm run (the monitor's history.jsonl):
     python scripts/experiments/cost_model.py validate --run-dir outputs/albert_tiny --bandwidth-mbps 8000
@@ -24,6 +24,8 @@ from common.tools.cost_model import (
     Peer,
     Prediction,
     SetupConfig,
+    SetupKind,
+    as_diloco,
     fit_round_overhead,
     fit_swarm_calibration,
     load_setup,
@@ -65,6 +67,9 @@ def write_comparison(predictions: List[Prediction], setups: List[SetupConfig], o
     lines += ["| " + " | ".join(str(row[column]) for column in columns) + " |" for row in rows]
     lines += ["", "Inputs and their sources (every figure marked 'assumption' is one):", ""]
     for setup in setups:
+        if setup.semantics == Semantics.diloco:  # a variant of a setup listed above: only its semantics differ
+            lines.append(f"- **{setup.name}**: {setup.description}; a model prediction, like every row")
+            continue
         lines.append(
             f"- **{setup.name}** ({setup.kind.value}, {setup.semantics.value}): round overhead "
             f"{setup.round_overhead_seconds} s ({setup.round_overhead_source})"
@@ -120,6 +125,12 @@ def write_comparison(predictions: List[Prediction], setups: List[SetupConfig], o
 
 def command_compare(args: argparse.Namespace) -> None:
     setups = [load_setup(path) for path in args.setups]
+    setups += [
+        as_diloco(setup, steps)
+        for steps in args.diloco_inner_steps
+        for setup in list(setups)
+        if setup.kind == SetupKind.swarm and setup.semantics != Semantics.diloco
+    ]
     tasks = [load_task_spec(path) for path in args.tasks]
     predictions = [predict(setup, task) for task in tasks for setup in setups]
     for prediction in predictions:
@@ -318,6 +329,13 @@ def parse_arguments() -> argparse.Namespace:
     )
     compare.add_argument(
         "--tasks", nargs="+", default=sorted(str(p) for p in (ROOT / "configs/setups/tasks").glob("*.yaml"))
+    )
+    compare.add_argument(
+        "--diloco-inner-steps",
+        type=int,
+        nargs="*",
+        default=[100],
+        help="add each swarm setup run with semantics=diloco and this many global steps between outer rounds",
     )
     compare.add_argument("--output-dir", default=str(ROOT / "paper_results/cost"))
     plot = commands.add_parser("validation-plot", help="validate reports (<run>-<method>.json) -> CSV + PNG")

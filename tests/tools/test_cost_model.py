@@ -16,6 +16,7 @@ from common.tools.cost_model import (
     SetupConfig,
     SetupKind,
     TaskSpec,
+    as_diloco,
     butterfly_seconds,
     butterfly_shares,
     fit_round_overhead,
@@ -141,6 +142,16 @@ def test_prediction_sync_dpu_and_cost():
         _swarm(), TaskSpec(name="t", parameters=500_000, target_batch_size=10, global_steps=1, average_state_every=1)
     )
     assert short_steps.averaging_seconds == pytest.approx(0.62 + (0.62 - 0.1))  # 0.1 s accumulation hides little
+
+
+def test_diloco_pays_one_round_every_inner_steps_global_steps():
+    task = TaskSpec(name="t", parameters=500_000, target_batch_size=1000, global_steps=3600, average_state_every=1)
+    diloco = predict(as_diloco(_swarm(), 10), task)
+    assert diloco.setup.endswith("_diloco_h10") and diloco.semantics == "diloco"
+    assert diloco.averaging_seconds == pytest.approx((0.5 + 0.12) / 10)  # no gradient or state rounds between
+    assert diloco.step_seconds == pytest.approx(10.0 + 0.062)
+    with pytest.raises(ValueError, match="diloco needs a swarm"):
+        SetupConfig(name="h", kind=SetupKind.hpc, semantics=Semantics.diloco, interconnect_gbps=1, nodes=[NodeGroup()])
 
 
 def test_preemptible_availability_lowers_throughput_and_bill():
