@@ -2,8 +2,10 @@
 
 Every setup trains the same task from the same config and seed for the same number of global steps of the same
 global batch (so the same number of samples): one process, torch DDP with N gloo workers, and a local hivemind
-swarm of N trainers under each semantics. Each setup writes the common per-global-step history format
-(``history.jsonl``); the final models are scored on one fixed set of evaluation batches.
+swarm of N trainers under each semantics (``diloco`` once per chosen number of inner steps). Each setup writes the
+common per-global-step history format (``history.jsonl``); the final models are scored on one fixed set of
+evaluation batches. While a setup runs, the TCP bytes each of its processes sends are read from the kernel
+(``SocketBytes``), so setups are compared by what they put on the wire as well as by loss.
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
+import psutil
 import torch
 
 from common.config import RunConfig, import_task_module
@@ -35,6 +39,7 @@ logger = logging.getLogger(__name__)
 SEMANTICS = ("sync", "dpu", "local")
 BASELINE = "ddp"
 PROGRESS_SECONDS = 15.0  # how often a running setup's progress is logged
+SOCKET_POLL_SECONDS = 2.0  # how often the bytes a setup's processes sent are read (connections are long-lived)
 RUN_RECORD = "run.json"  # written into a setup's run folder when it finished: what it ran and when
 
 
@@ -45,6 +50,7 @@ class Setup:
     name: str
     kind: str  # single | ddp | collaborative
     semantics: Optional[str] = None
+    overrides: Tuple[str, ...] = ()  # this setup's own settings (diloco's inner_steps)
 
     def history_path(self, run_dir: Path) -> Path:
         return run_dir / ("monitor" if self.kind == "collaborative" else "") / "history.jsonl"
@@ -54,12 +60,17 @@ class Setup:
         return folder / FINAL_STATE_FILE
 
 
-def all_setups() -> List[Setup]:
+def all_setups(diloco_inner_steps: Sequence[int] = ()) -> List[Setup]:
+    """The setups a comparison can run; ``diloco_inner_steps``: a ``collab_diloco_h<H>`` swarm for each H."""
     return [
         Setup("single", "single"),
         Setup("single_dpu", "single", "dpu"),  # one process with dpu's one-step-stale updates: collab_dpu's reference
         Setup(BASELINE, "ddp"),
         *(Setup(f"collab_{semantics}", "collaborative", semantics) for semantics in SEMANTICS),
+        *(
+            Setup(f"collab_diloco_h{steps}", "collaborative", "diloco", (f"collaboration.inner_steps={steps}",))
+            for steps in diloco_inner_steps
+        ),
     ]
 
 
@@ -70,6 +81,73 @@ class SetupRun:
     launched: float  # unix time just before the setup's first process started
     finished: float
     exit_code: int
+    bytes_sent: Dict[str, int] = field(default_factory=dict)  # TCP bytes sent per process label (SocketBytes)
+
+
+class SocketBytes:
+    """TCP bytes sent by a process tree, per peer, read from the kernel's socket statistics (``ss -tinp``).
+
+    Every established TCP connection of the tree's processes is sampled every ``SOCKET_POLL_SECONDS``; a
+    connection's count is the largest ``bytes_sent`` seen (retransmissions included: what went on the wire). A
+    connection that opens and closes between two samples is missed, so the counts are lower bounds; hivemind's
+    and gloo's connections last the whole run. Each connection is charged to the peer whose process owns it: the
+    nearest ancestor whose command line names a peer (``--name X``: trainer0, monitor, ddp), labelled
+    ``X@pid`` so that DDP's workers, which share a name, stay apart. Over loopback both ends of a connection are
+    listed; each end is charged only to its own process.
+    """
+
+    def __init__(self, root_pid: int):
+        self.root_pid = root_pid
+        self.connections: Dict[Tuple[str, str, str], int] = {}  # (label, local, peer address) -> bytes sent
+        self.labels: Dict[int, Optional[str]] = {}
+
+    def _label(self, process: psutil.Process) -> Optional[str]:
+        if process.pid not in self.labels:
+            label = None
+            try:
+                for candidate in [process, *process.parents()]:
+                    command = candidate.cmdline()
+                    if "--name" in command[:-1]:
+                        label = f"{command[command.index('--name') + 1]}@{candidate.pid}"
+                        break
+                    if candidate.pid == self.root_pid:
+                        break
+            except psutil.Error:
+                pass
+            self.labels[process.pid] = label
+        return self.labels[process.pid]
+
+    def sample(self) -> None:
+        try:
+            root = psutil.Process(self.root_pid)
+            tree = {process.pid: process for process in [root, *root.children(recursive=True)]}
+        except psutil.Error:
+            return
+        try:
+            listing = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        header = None
+        for line in listing.splitlines():
+            if not line.startswith((" ", "\t")):
+                header = line.split()
+                continue
+            sent = re.search(r"bytes_sent:(\d+)", line)
+            if header is None or sent is None or len(header) < 5:
+                continue
+            owners = [int(pid) for pid in re.findall(r"pid=(\d+)", " ".join(header[5:]))]
+            owner = next((pid for pid in owners if pid in tree), None)
+            label = self._label(tree[owner]) if owner is not None else None
+            if label is not None:
+                key = (label, header[3], header[4])
+                self.connections[key] = max(self.connections.get(key, 0), int(sent.group(1)))
+            header = None
+
+    def per_peer(self) -> Dict[str, int]:
+        totals: Dict[str, int] = {}
+        for (label, _, _), sent in self.connections.items():
+            totals[label] = totals.get(label, 0) + sent
+        return totals
 
 
 def free_port() -> int:
@@ -131,7 +209,8 @@ def launch_command(setup: Setup, config_path: str, overrides: Sequence[str], run
         *overrides,
         "training.backend=collaborative",
         f"collaboration.semantics={setup.semantics}",
-        f"collaboration.run_id=compare_{setup.semantics}",
+        *setup.overrides,
+        f"collaboration.run_id=compare_{setup.name[len('collab_') :] if setup.overrides else setup.semantics}",
     ]
 
 
@@ -157,9 +236,13 @@ def run_setup(
             command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
     history = HistoryWriter(setup.history_path(run_dir).parent)
-    last_log = time.monotonic()
+    last_log = last_poll = time.monotonic()
+    sockets = SocketBytes(process.pid)
     try:
         while process.poll() is None:
+            if time.monotonic() - last_poll >= SOCKET_POLL_SECONDS:
+                sockets.sample()
+                last_poll = time.monotonic()
             elapsed = time.time() - launched
             if elapsed > timeout or stop.is_set():
                 raise PeerError(
@@ -176,8 +259,14 @@ def run_setup(
     if process.returncode != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-5:])
         raise PeerError(f"setup {setup.name} exited with code {process.returncode}: {tail}")
-    run = SetupRun(setup, run_dir, launched, time.time(), process.returncode)
-    record = {"recipe": recipe(command), "inputs": inputs, "launched": run.launched, "finished": run.finished}
+    run = SetupRun(setup, run_dir, launched, time.time(), process.returncode, sockets.per_peer())
+    record = {
+        "recipe": recipe(command),
+        "inputs": inputs,
+        "launched": run.launched,
+        "finished": run.finished,
+        "bytes_sent": run.bytes_sent,
+    }
     (run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1))
     return run
 
@@ -206,7 +295,7 @@ def finished_run(
     if record.get("inputs", "") != inputs:
         logger.info(f"{setup.name}: the finished run in {run_dir} was trained on other inputs; running it again")
         return None
-    return SetupRun(setup, run_dir, record["launched"], record["finished"], 0)
+    return SetupRun(setup, run_dir, record["launched"], record["finished"], 0, record.get("bytes_sent", {}))
 
 
 def log_progress(setup: Setup, history: List[dict], elapsed: float, max_steps: int) -> None:
@@ -267,6 +356,38 @@ def evaluate(task, batches: List[dict], state_path: Path) -> Dict[str, float]:
     return {name: total / samples for name, total in totals.items()}
 
 
+def worker_summaries(run: SetupRun) -> List[Dict]:
+    """The summary.json of each process that trained (the single process, each DDP worker, each trainer)."""
+    folders = {
+        "single": [run.run_dir],
+        "ddp": sorted(run.run_dir.glob("worker*")),
+        "collaborative": sorted(run.run_dir.glob("trainer*")),
+    }[run.setup.kind]
+    paths = [folder / "summary.json" for folder in folders]
+    return [json.loads(path.read_text()) for path in paths if path.is_file()]
+
+
+def traffic_and_utilisation(run: SetupRun, samples: int) -> Dict:
+    """Bytes the training processes sent (the monitor's excluded: it only reads records and checkpoints), per
+    sample trained, which is also each trainer's bytes per sample of its own when trainers share the work evenly;
+    and the trainers' mean compute utilisation (share of wall time in forward and backward passes) and share of
+    computed samples that entered a global step."""
+    trainers = {label: sent for label, sent in run.bytes_sent.items() if not label.startswith("monitor@")}
+    summaries = worker_summaries(run)
+    total = sum(trainers.values())
+
+    def mean(key: str) -> Optional[float]:
+        values = [summary[key] for summary in summaries if summary.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
+    return {
+        "mb_sent_per_trainer": total / max(len(trainers), 1) / 1e6 if run.setup.kind != "single" else 0.0,
+        "bytes_sent_per_sample": total / samples if samples and run.setup.kind != "single" else 0.0,
+        "compute_share": mean("compute_share"),
+        "used_share": mean("used_share"),
+    }
+
+
 def summarize(run: SetupRun, rows: List[Dict], evaluation: Dict[str, float], tail_steps: int = 3) -> Dict:
     total_samples = rows[-1]["samples_seen"] if rows else 0
     steady_seconds = rows[-1]["wall_seconds"] - rows[0]["wall_seconds"] if rows else 0.0
@@ -285,6 +406,7 @@ def summarize(run: SetupRun, rows: List[Dict], evaluation: Dict[str, float], tai
             if len(rows) > 1 and steady_seconds > 0
             else None
         ),
+        **traffic_and_utilisation(run, total_samples),
     }
 
 
@@ -357,6 +479,9 @@ def summary_table(summaries: List[Dict]) -> str:
     def number(value, digits):
         return "n/a" if value is None else f"{value:.{digits}f}"
 
+    def percent(value):
+        return "n/a" if value is None else f"{100 * value:.0f} %"
+
     # the task's quality metrics as its evaluation named them (e.g. eval_mlm_accuracy), losses left to the total
     metrics = sorted(
         {
@@ -380,6 +505,10 @@ def summary_table(summaries: List[Dict]) -> str:
         "samples/s steady",
         "samples/s end-to-end",
         "wall s",
+        "bytes sent per sample",
+        "MB sent per trainer",
+        "computing",
+        "samples used",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for summary in summaries:
@@ -397,6 +526,10 @@ def summary_table(summaries: List[Dict]) -> str:
             number(summary["samples_per_second_steady"], 1),
             number(summary["samples_per_second_end_to_end"], 1),
             summary["wall_seconds"],
+            number(summary.get("bytes_sent_per_sample"), 0),
+            number(summary.get("mb_sent_per_trainer"), 1),
+            percent(summary.get("compute_share")),
+            percent(summary.get("used_share")),
         ]
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines)

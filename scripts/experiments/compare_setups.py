@@ -3,12 +3,14 @@
     python scripts/experiments/compare_setups.py            # tiny ALBERT, 250 steps x 256, 2 workers: ~60 min
     python scripts/experiments/compare_setups.py --reduced  # CI-sized: a few steps, ~3-4 min on a quiet 2-core box
     python scripts/experiments/compare_setups.py --workers 3 [key=value ...]
+    python scripts/experiments/compare_setups.py --diloco-inner-steps 8 32 --setups collab_sync collab_diloco_h8 ...
 
 Runs, one after the other: one process (training.backend=single), one process applying each update a step late
 as `dpu` does (single_dpu), torch DDP with N gloo workers (training.backend=ddp through torchrun), and a local
-hivemind swarm (monitor + N trainers) for each semantics (sync, dpu, local). Writes into --output: curves.csv
-(loss per global step vs samples seen and wall time), summary.csv, loss_curves.png and results.md (the exact
-command, the machine and its load, the table).
+hivemind swarm (monitor + N trainers) for each semantics (sync, dpu, local, and diloco once per
+--diloco-inner-steps value). Writes into --output: curves.csv (loss per global step vs samples seen and wall
+time), summary.csv (with the TCP bytes each setup's trainers sent and their compute utilisation), loss_curves.png
+and results.md (the exact command, the machine and its load, the table).
 """
 
 import logging
@@ -28,6 +30,7 @@ from common.lifecycle import StopFlag, setup_logging
 from common.swarm import ROOT
 from common.tools.comparison import (
     SEMANTICS,
+    SOCKET_POLL_SECONDS,
     add_baseline_differences,
     all_setups,
     curve_rows,
@@ -83,6 +86,13 @@ def parse_arguments():
         nargs="+",
         default=None,
         help=f"run only these (default: single single_dpu ddp {' '.join('collab_' + s for s in SEMANTICS)})",
+    )
+    parser.add_argument(
+        "--diloco-inner-steps",
+        type=int,
+        nargs="*",
+        default=[],
+        help="a collab_diloco_h<H> setup (semantics=diloco, collaboration.inner_steps=H) for each H given",
     )
     parser.add_argument("--output", default="paper_results/comparison", help="CSV, PNG and results.md go here")
     parser.add_argument("--runs", default="outputs/compare", help="run folders (logs, histories, final models)")
@@ -143,7 +153,9 @@ def main() -> None:
             f"collaboration.target_batch_size ({target}) must be a multiple of "
             f"training.local_batch_size x --workers ({local_batch} x {args.workers}) for the DDP baseline"
         )
-    known = {setup.name: setup for setup in all_setups()}
+    if any(steps < 1 for steps in args.diloco_inner_steps):
+        raise ConfigError("--diloco-inner-steps: every value must be >= 1")
+    known = {setup.name: setup for setup in all_setups(args.diloco_inner_steps)}
     unknown = sorted(set(args.setups or []) - set(known))
     if unknown:
         raise ConfigError(f"--setups: unknown setup(s) {', '.join(unknown)} (choose from {', '.join(known)})")
@@ -214,7 +226,11 @@ def main() -> None:
         f"vs ddp: (eval loss - ddp eval loss) / ddp eval loss; vs one process, same updates: the same against "
         f"single for collab_sync and single_dpu for collab_dpu.\n"
         f"- samples/s steady: samples after the first global step / time between the first and last step; "
-        f"end-to-end: all samples / wall time from launch to exit (includes data loading and peer start-up).\n\n"
+        f"end-to-end: all samples / wall time from launch to exit (includes data loading and peer start-up).\n"
+        f"- bytes sent per sample: TCP bytes the training processes sent (the monitor's excluded; read from `ss` "
+        f"every {SOCKET_POLL_SECONDS:g} s, so a lower bound) / samples trained; MB sent per trainer: the same "
+        f"bytes / trainers (DDP: workers); computing: the trainers' mean share of wall time in forward and "
+        f"backward passes; samples used: their mean share of computed samples that entered a global step.\n\n"
         f"{table}\n"
     )
     logger.info(f"results:\n{table}")

@@ -169,3 +169,13 @@ def test_reduced_comparison_runs_every_setup_and_writes_csv_png_and_results(tmp_
     assert ": launching" not in result.stderr
     assert (rescored / "summary.csv").read_text() == first_summary
     assert "Reused finished runs of this command" in (rescored / "results.md").read_text()
+
+
+def test_diloco_setups_carry_their_inner_steps_and_a_run_id_of_their_own(tmp_path):
+    setups = {setup.name: setup for setup in all_setups([4, 20])}
+    assert "collab_diloco_h4" in setups and "collab_diloco_h4" not in {setup.name for setup in all_setups()}
+    command = launch_command(setups["collab_diloco_h20"], "configs/albert/tiny.yaml", [], tmp_path, 4)
+    assert "collaboration.semantics=diloco" in command and "collaboration.inner_steps=20" in command
+    assert command[-1] == "collaboration.run_id=compare_diloco_h20"
+    sync = launch_command(setups["collab_sync"], "configs/albert/tiny.yaml", [], tmp_path, 4)
+    assert sync[-1] == "collaboration.run_id=compare_sync"  # earlier runs of the other setups stay reusable
