@@ -10,7 +10,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from transformers import AlbertConfig, AlbertForPreTraining, PreTrainedTokenizerFast, get_linear_schedule_with_warmup
 
-from albert.corpus import OFFLINE_WIKIPEDIA, load_documents
+from albert.corpus import DOCUMENT_LAYOUTS, OFFLINE_WIKIPEDIA, load_documents
 from albert.data import SopDataset, build_examples, cache_key, load_or_build_examples, special_ids
 from albert.export import export_albert
 from albert.sahajbert.data import BENGALI_STREAM, StreamConfig, bengali_tokenizer_folder, build_streaming_dataset
@@ -23,7 +23,7 @@ from common.timm_optim import timm_optimizer
 
 logger = logging.getLogger(__name__)
 
-DATA_FORMAT_VERSION = 1  # bump when the example-building code changes, so caches are rebuilt
+DATA_FORMAT_VERSION = 2  # bump when the example-building code changes, so caches are rebuilt
 
 
 @dataclass
@@ -34,6 +34,8 @@ class TaskConfig:
     )
     stream: StreamConfig = field(default_factory=StreamConfig)  # sources mixed when corpus is bengali_stream
     dataset_config: Optional[str] = None  # e.g. wikitext-103-raw-v1
+    # line: every non-empty line of a text corpus is a document | wikitext_article: WikiText lines merged into articles
+    document_layout: str = "line"
     tokenizer: str = "train"  # train (Unigram on the corpus) | hub name (albert-large-v2) | local folder
     max_documents: Optional[int] = None
     # share of the documents (picked by a stable hash of their index) never trained on: the held-out evaluation
@@ -66,6 +68,10 @@ class TaskConfig:
         require(0 < self.mlm_probability < 1, "task.mlm_probability must be in (0, 1)")
         require(0 <= self.short_seq_probability <= 1, "task.short_seq_probability must be in [0, 1]")
         require(self.vocab_size >= 100, "task.vocab_size must be >= 100")
+        require(
+            self.document_layout in DOCUMENT_LAYOUTS,
+            f"task.document_layout must be one of {', '.join(DOCUMENT_LAYOUTS)}, not {self.document_layout!r}",
+        )
         require(
             self.hidden_size % self.num_attention_heads == 0,
             "task.hidden_size must be divisible by task.num_attention_heads",
@@ -206,6 +212,7 @@ def _tokenizer_key(config: TaskConfig) -> str:
         config.max_documents,
         config.vocab_size,
         config.heldout_fraction,
+        *([config.document_layout] if config.document_layout != "line" else []),
     )
 
 
@@ -241,7 +248,8 @@ def build_heldout_dataset(config: TaskConfig, tokenizer) -> SopDataset:
         Path(config.cache_dir) / f"examples-{_examples_key(config, 'heldout')}.pt",
         lambda: build_examples(
             split_heldout(
-                load_documents(config.corpus, config.dataset_config, config.max_documents), config.heldout_fraction
+                load_documents(config.corpus, config.dataset_config, config.max_documents, config.document_layout),
+                config.heldout_fraction,
             )[1],
             tokenizer,
             config.max_seq_length,
@@ -288,7 +296,9 @@ def build_dataset(config: TaskConfig):
     def get_documents() -> list:
         nonlocal documents
         if documents is None:
-            documents = load_documents(config.corpus, config.dataset_config, config.max_documents)
+            documents = load_documents(
+                config.corpus, config.dataset_config, config.max_documents, config.document_layout
+            )
             if config.heldout_fraction:
                 documents = split_heldout(documents, config.heldout_fraction)[0]
         return documents

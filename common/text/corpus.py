@@ -139,12 +139,22 @@ def _root_cause(error: BaseException) -> str:
     return " ".join(f"{type(error).__name__}: {error}".split())[:200]
 
 
-def load_documents(corpus: str, dataset_config: Optional[str], max_documents: Optional[int]) -> List[str]:
+# How the lines of a text corpus become documents: ``line``, each non-empty line is one document (for WikiText-103
+# one paragraph, as the DeDLOC authors' example builder reads it); ``wikitext_article``, WikiText's lines merged into
+# whole articles at their top-level headings.
+DOCUMENT_LAYOUTS = ("line", "wikitext_article")
+
+
+def load_documents(
+    corpus: str, dataset_config: Optional[str], max_documents: Optional[int], layout: str = "line"
+) -> List[str]:
+    if layout not in DOCUMENT_LAYOUTS:
+        raise ValueError(f"unknown document layout {layout!r}")
     if corpus == OFFLINE_WIKIPEDIA:
         documents = [article["text"] for article in offline_wikipedia_articles()]
     else:
         lines = load_hub_or_local_text(corpus, dataset_config)
-        documents = wikitext_documents(lines) if "wikitext" in corpus.lower() else [t for t in lines if t.strip()]
+        documents = wikitext_documents(lines) if layout == "wikitext_article" else [t for t in lines if t.strip()]
     if max_documents is not None:
         documents = documents[:max_documents]
     if not documents:

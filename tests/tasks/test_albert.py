@@ -7,13 +7,14 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+from albert import data as albert_data
 from albert.corpus import load_documents, wikitext_documents
-from albert.data import SpecialIds, create_sop_instances, mask_tokens
+from albert.data import SopDataset, SpecialIds, build_examples, create_sop_instances, mask_tokens, special_ids
 from albert.task import AlbertTask, build_task
 from albert.tokenizer import SPECIAL_TOKENS, train_unigram_tokenizer
 from common.backends import RunFingerprints, require_same_model
 from common.config import load_config
-from common.errors import DataError, PeerError
+from common.errors import ConfigError, DataError, PeerError
 from common.metrics import PeerMetrics, metrics_key
 from tests.helpers import ROOT
 
@@ -79,6 +80,34 @@ def test_wikitext_lines_become_articles():
         " Other . \n",
     ]
     assert wikitext_documents(lines) == ["First line . More text .", "Other ."]
+
+
+def test_document_layout_is_chosen_by_config_not_by_the_corpus_name(tmp_path):
+    corpus = tmp_path / "wikitext_copy.txt"
+    corpus.write_text(" = Alpha = \n First paragraph . \n Second paragraph . \n = Beta = \n Other . \n")
+    assert len(load_documents(str(corpus), None, None)) == 5  # every non-empty line, the heading lines too
+    assert load_documents(str(corpus), None, None, "wikitext_article") == [
+        "First paragraph . Second paragraph .",
+        "Other .",
+    ]
+    with pytest.raises(ConfigError, match="task.document_layout must be one of line, wikitext_article"):
+        load_config(ROOT / "configs/albert/tiny.yaml", ["task.document_layout=paragraphs"])
+    assert load_config(ROOT / "configs/albert/paper.yaml").task.document_layout == "line"  # as the authors read it
+
+
+@pytest.mark.slow  # two spawned processes
+@pytest.mark.timeout(300)
+def test_examples_are_compact_and_the_same_whatever_the_number_of_build_processes(monkeypatch):
+    documents = load_documents("offline_wikipedia", None, 150)
+    tokenizer = train_unigram_tokenizer(documents, 500)
+    monkeypatch.setattr(albert_data, "DOCUMENTS_PER_SHARD", 50)  # three shards
+    alone = build_examples(documents, tokenizer, 64, 0.1, seed=5, workers=1)
+    shared = build_examples(documents, tokenizer, 64, 0.1, seed=5, workers=2)
+    assert alone.keys() == shared.keys() and all(torch.equal(alone[name], shared[name]) for name in alone)
+    assert alone["input_ids"].dtype == torch.int32 and alone["attention_mask"].dtype == torch.int8
+    assert alone["input_ids"].shape[1] == 64 and len(alone["sentence_order_label"]) == len(alone["input_ids"]) > 50
+    batch = SopDataset(alone, special_ids(tokenizer), 0.15, seed=0).batch([0, 1, 2], pass_index=0)
+    assert all(batch[name].dtype == torch.long for name in ("input_ids", "labels", "attention_mask", "token_type_ids"))
 
 
 def test_unreachable_hub_dataset_is_a_clear_error():
