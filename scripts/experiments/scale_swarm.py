@@ -136,18 +136,31 @@ def veth_bytes(namespace: str) -> Dict[str, int]:
 def group_memory_mib(pgid: int) -> Dict[str, float]:
     """RSS and PSS summed over a peer's process group (its DHT and averager processes and p2pd). RSS counts the
     pages forked processes share once per process; PSS splits each shared page among its sharers, so PSS adds up
-    to what the peers cost the machine."""
-    rss = pss = 0
+    to what the peers cost the machine (file-backed pages, torch's libraries, are split among every process that
+    maps them, other jobs' included); USS counts only the pages no other process shares, a peer's floor."""
+    rss = pss = uss = 0
     processes = 0
     for process in psutil.process_iter(["pid"]):
         try:
             if os.getpgid(process.pid) != pgid:
                 continue
             info = process.memory_full_info()
-            rss, pss, processes = rss + info.rss, pss + info.pss, processes + 1
+            rss, pss, uss, processes = rss + info.rss, pss + info.pss, uss + info.uss, processes + 1
         except (psutil.Error, ProcessLookupError, OSError):
             continue
-    return {"rss_mib": rss / 2**20, "pss_mib": pss / 2**20, "processes": processes}
+    return {"rss_mib": rss / 2**20, "pss_mib": pss / 2**20, "uss_mib": uss / 2**20, "processes": processes}
+
+
+def delay_lines_pss_mib() -> float:
+    """The emulated network's own cost: the delay-line processes (one per host with a delay) this driver started."""
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "common.tools.linkdelay" in " ".join(child.cmdline()):
+                total += child.memory_full_info().pss
+        except psutil.Error:
+            continue
+    return total / 2**20
 
 
 def read_json(path: Path) -> Optional[dict]:
@@ -274,6 +287,7 @@ def run_scale(args, count: int, stop: StopFlag) -> dict:
             if sample:  # one full reading in mid-window, when every peer holds its steady-state memory
                 memory = {name: group_memory_mib(swarm.peers[name].process.pid) for name in names}
                 memory["monitor"] = group_memory_mib(swarm.peers["monitor"].process.pid)
+                result["delay_lines_pss_mib"] = round(delay_lines_pss_mib(), 1)
             guard.check(swarm, with_pss=sample)
             history = HistoryWriter(run_dir / "monitor").read()
             logger.info(
@@ -353,6 +367,7 @@ def summarize_scale(run_dir, names, window_start, window_end, bytes_start, bytes
         "traffic": {name: {k: round(v, 3) for k, v in t.items()} for name, t in traffic.items()},
         "rss_mib_per_trainer_median": median([m["rss_mib"] for m in trainer_memory]),
         "pss_mib_per_trainer_median": median([m["pss_mib"] for m in trainer_memory]),
+        "uss_mib_per_trainer_median": median([m["uss_mib"] for m in trainer_memory]),
         "pss_mib_monitor": round(memory["monitor"]["pss_mib"], 1) if "monitor" in memory else None,
         "pss_gib_swarm": round(sum(m["pss_mib"] for m in memory.values()) / 1024, 2) if memory else None,
         "processes_per_trainer": median([m["processes"] for m in trainer_memory]),
@@ -383,7 +398,9 @@ SCALE_COLUMNS = (
     "received_mib_per_peer_per_step_median",
     "rss_mib_per_trainer_median",
     "pss_mib_per_trainer_median",
+    "uss_mib_per_trainer_median",
     "pss_gib_swarm",
+    "delay_lines_pss_mib",
     "used_share_median",
     "compute_share_median",
     "swarm_used_share",
@@ -419,7 +436,10 @@ def plot_scale(rows: List[dict], results: Path) -> None:
             "MiB per peer per global step",
             ["sent_mib_per_peer_per_step_median", "received_mib_per_peer_per_step_median"],
         ),
-        ("MiB per trainer", ["rss_mib_per_trainer_median", "pss_mib_per_trainer_median"]),
+        (
+            "MiB per trainer",
+            ["rss_mib_per_trainer_median", "pss_mib_per_trainer_median", "uss_mib_per_trainer_median"],
+        ),
     ]
     figure, axes = plt.subplots(2, 3, figsize=(15, 8))
     for axis, (label, keys) in zip(axes.flat, panels):

@@ -10,7 +10,7 @@ from tests.helpers import assert_no_processes_left, run_script
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_newcomers_arriving_at_once_all_load_the_state_and_contribute(tmp_path):
     run_dir, results = tmp_path / "run", tmp_path / "results"
     result = run_script(
@@ -37,7 +37,7 @@ def test_newcomers_arriving_at_once_all_load_the_state_and_contribute(tmp_path):
         str(run_dir),
         "--results",
         str(results),
-        timeout=400,
+        timeout=570,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     storm = json.loads((results / "storm.json").read_text())
