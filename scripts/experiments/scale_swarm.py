@@ -258,7 +258,13 @@ def run_scale(args, count: int, stop: StopFlag) -> dict:
     names = [f"t{index:02d}" for index in range(count)]
     hosts = [HostSpec("monitor", "monitor", MONITOR_MBIT, MONITOR_MBIT), *trainer_hosts(names, args.delay_ms)]
     overrides = [f"collaboration.target_batch_size={args.target_batch_size}", *args.overrides]
-    result: dict = {"peers": count, "load_average_at_start": load_average()}
+    result: dict = {
+        "peers": count,
+        "load_average_at_start": load_average(),
+        "links": "loopback" if args.loopback else f"cycling {UPLOAD_CYCLE_MBIT} Mbit/s, +{args.delay_ms:g} ms one way",
+        "target_batch_size": args.target_batch_size,
+        "lean_environment": args.lean,
+    }
     guard = MemoryGuard(args)
     available_before = psutil.virtual_memory().available / 2**20
     started = time.time()
@@ -277,6 +283,12 @@ def run_scale(args, count: int, stop: StopFlag) -> dict:
             stop.wait(10)
         joined = [name for name in names if first_contribution_at(run_dir / name) is not None]
         result["trainers_contributed_before_window"] = len(joined)
+        # the window opens with the first global step after the last join, so that it holds whole steps only
+        last_join = max((first_contribution_at(run_dir / name) for name in joined), default=time.time())
+        while not stop.is_set() and time.monotonic() < deadline + args.measure_seconds:
+            if any(entry["time"] >= last_join for entry in HistoryWriter(run_dir / "monitor").read()):
+                break
+            stop.wait(1)
         window_start = time.time()
         bytes_start = (
             {name: veth_bytes(network.namespaces[network.index_of(name)]) for name in names} if network else {}
@@ -485,7 +497,48 @@ def write_scale(results: Path, runs: List[dict]) -> None:
         writer = csv.DictWriter(stream, fieldnames=SCALE_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(runs)
+    (results / "scale_table.md").write_text(markdown_table(runs))
     plot_scale(runs, results)
+
+
+TABLE = (
+    ("N", "peers", "{}"),
+    ("steps in window", "global_steps_in_window", "{}"),
+    ("s / global step", "global_step_seconds_median", "{:.1f}"),
+    ("accumulation s", "accumulation_seconds_median", "{:.1f}"),
+    ("matchmaking lead s", "matchmaking_lead_seconds_median", "{:.1f}"),
+    ("averaging s", "averaging_seconds_median", "{:.2f}"),
+    ("apply s", "apply_seconds_median", "{:.2f}"),
+    ("group size", "group_size_mean", "{:.1f}"),
+    ("trainers / step", "trainers_per_step_mean", "{:.1f}"),
+    ("step share mean (min)", ("step_share_mean", "step_share_min"), "{:.2f} ({:.2f})"),
+    ("start to 1st sample s, median (max)", ("first_contribution_seconds_median", "first_contribution_seconds_max"),
+     "{:.0f} ({:.0f})"),
+    ("MiB sent / received per peer per step", ("sent_mib_per_peer_per_step_median",
+                                                "received_mib_per_peer_per_step_median"), "{:.1f} / {:.1f}"),
+    ("MiB per trainer RSS / PSS / USS", ("rss_mib_per_trainer_median", "pss_mib_per_trainer_median",
+                                          "uss_mib_per_trainer_median"), "{:.0f} / {:.0f} / {:.0f}"),
+    ("swarm PSS GiB", "pss_gib_swarm", "{:.1f}"),
+    ("used share (swarm)", "swarm_used_share", "{:.3f}"),
+    ("compute share (median)", "compute_share_median", "{:.2f}"),
+    ("load at start", "load_average_at_start", "{}"),
+    ("stopped early", "aborted", "{}"),
+)  # fmt: skip
+
+
+def markdown_table(runs: List[dict]) -> str:
+    """One row per run, in the order run, every run included."""
+
+    def cell(run: dict, keys, form: str) -> str:
+        keys = keys if isinstance(keys, tuple) else (keys,)
+        values = [run.get(key) for key in keys]
+        if any(value is None for value in values):
+            return "-" if keys != ("aborted",) else "no"
+        return form.format(*values)
+
+    lines = ["| " + " | ".join(head for head, _, _ in TABLE) + " |", "|" + "---|" * len(TABLE)]
+    lines += ["| " + " | ".join(cell(run, keys, form) for _, keys, form in TABLE) + " |" for run in runs]
+    return "\n".join(lines) + "\n"
 
 
 # --- storm ---------------------------------------------------------------------------------------------------------
@@ -527,6 +580,9 @@ def storm_main(args, stop: StopFlag) -> None:
         *trainer_hosts(donors, args.delay_ms),
         *trainer_hosts(newcomers, args.delay_ms, offset=args.donors),
     ]
+    if args.donor_upload_mbit:  # donors on slow uplinks: every state they serve queues behind the others
+        for host in hosts[1 : 1 + len(donors)]:
+            host.upload_mbit = args.donor_upload_mbit
     overrides = [
         f"collaboration.target_batch_size={args.target_batch_size}",
         f"collaboration.load_state_deadline={args.load_state_deadline:g}",
@@ -644,6 +700,11 @@ def storm_main(args, stop: StopFlag) -> None:
         {
             "donors": len(donors),
             "newcomers": len(newcomers),
+            "delay_ms_one_way": 0 if args.loopback else args.delay_ms,
+            "lean_environment": args.lean,
+            "links": "loopback"
+            if args.loopback
+            else {host.name: f"{host.upload_mbit:g} up / {host.download_mbit:g} down Mbit/s" for host in hosts},
             "load_state_deadline": args.load_state_deadline,
             "aborted": guard.tripped,
             "seconds": {
@@ -740,6 +801,9 @@ def parse_arguments() -> argparse.Namespace:
     storm.add_argument("--before-seconds", type=float, default=60.0, help="the donors' baseline window")
     storm.add_argument("--after-seconds", type=float, default=30.0, help="training on after the last newcomer joined")
     storm.add_argument("--load-state-deadline", type=float, default=300.0, help="collaboration.load_state_deadline")
+    storm.add_argument(
+        "--donor-upload-mbit", type=float, default=None, help="every donor's upload cap instead of the paper's mix"
+    )
     storm.add_argument("--storm-file", default="storm.json", help="the result's file name in --results")
     storm.add_argument("--seed", type=int, default=0, help="the newcomers' start offsets")
     args = parser.parse_args()
