@@ -53,14 +53,15 @@ class SpecialIds:
     vocab_size: int
 
 
-def create_sop_instances(
-    document: List[List[int]], max_seq_length: int, short_seq_probability: float, rng: random.Random, ids: SpecialIds
-) -> List[Dict[str, List[int]]]:
+def create_sop_pairs(
+    document: List[List[int]], max_seq_length: int, short_seq_probability: float, rng: random.Random
+) -> List[Tuple[List[int], List[int], int]]:
     """ALBERT's recipe: pack sentences into a chunk, split it into A and B at a sentence boundary, and swap
-    A/B with probability 0.5; the label says whether the order was swapped (sentence-order prediction)."""
+    A/B with probability 0.5; the label says whether the order was swapped (sentence-order prediction).
+    Returns (A, B, label) triples whose [CLS] A [SEP] B [SEP] fits ``max_seq_length``."""
     max_tokens = max_seq_length - 3
     target_length = rng.randint(2, max_tokens) if rng.random() < short_seq_probability else max_tokens
-    instances, chunk, chunk_length = [], [], 0
+    pairs, chunk, chunk_length = [], [], 0
     for index, sentence in enumerate(document):
         chunk.append(sentence)
         chunk_length += len(sentence)
@@ -79,10 +80,20 @@ def create_sop_instances(
                 if swapped:
                     tokens_a, tokens_b = tokens_b, tokens_a
                 if tokens_a and tokens_b:
-                    instances.append(_pack(tokens_a, tokens_b, int(swapped), max_seq_length, ids))
+                    pairs.append((tokens_a, tokens_b, int(swapped)))
             chunk, chunk_length = [], 0
             target_length = rng.randint(2, max_tokens) if rng.random() < short_seq_probability else max_tokens
-    return instances
+    return pairs
+
+
+def create_sop_instances(
+    document: List[List[int]], max_seq_length: int, short_seq_probability: float, rng: random.Random, ids: SpecialIds
+) -> List[Dict[str, List[int]]]:
+    """:func:`create_sop_pairs` as padded model inputs of ``max_seq_length`` tokens."""
+    return [
+        _pack(tokens_a, tokens_b, label, max_seq_length, ids)
+        for tokens_a, tokens_b, label in create_sop_pairs(document, max_seq_length, short_seq_probability, rng)
+    ]
 
 
 def _pack(tokens_a: List[int], tokens_b: List[int], label: int, max_seq_length: int, ids: SpecialIds) -> dict:
@@ -95,14 +106,6 @@ def _pack(tokens_a: List[int], tokens_b: List[int], label: int, max_seq_length: 
         "attention_mask": [1] * len(input_ids) + [0] * padding,
         "sentence_order_label": label,
     }
-
-
-EXAMPLE_DTYPES = {
-    "input_ids": np.int32,
-    "token_type_ids": np.int8,
-    "attention_mask": np.int8,
-    "sentence_order_label": np.int8,
-}
 
 
 # documents per unit of work: each shard's examples come from its own random stream, so the result does not depend
@@ -119,9 +122,13 @@ def build_examples(
     workers: Optional[int] = None,
 ) -> Dict[str, torch.Tensor]:
     """SOP examples of ``documents``, built by ``workers`` processes (default: every core this process may use)
-    over shards of ``DOCUMENTS_PER_SHARD`` documents. Examples are stored compactly (token ids as int32, the rest
-    as int8: 6 bytes per position instead of 24), so a WikiText-103-sized corpus stays within a few GB;
-    :class:`SopDataset` widens a micro-batch to int64 when it serves it."""
+    over shards of ``DOCUMENTS_PER_SHARD`` documents.
+
+    Stored without padding: ``tokens`` holds every example's [CLS] A [SEP] B [SEP] back to back (int32),
+    ``offsets`` where each starts, ``first_segment`` the length of its [CLS] A [SEP] part and
+    ``sentence_order_label`` its label; :class:`SopDataset` pads a micro-batch when it serves it. A corpus costs
+    about 4 bytes per token, whatever the share of short documents (a padded tensor of 512-token rows took 24 bytes
+    per position, most of them padding for paragraph-sized documents)."""
     splitter = train_sentence_splitter(documents)
     ids = special_ids(tokenizer)
     jobs = [
@@ -138,19 +145,24 @@ def build_examples(
         # spawned, not forked: the parent's Rust tokenizer threads and torch state do not survive a fork safely
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
             parts = list(tqdm(pool.imap(builder, jobs), **progress))
-    parts = [part for part in parts if len(part["input_ids"])]
-    if not parts:
+    lengths = np.concatenate([part["lengths"] for part in parts])
+    if not len(lengths):
         raise DataError(
             f"the corpus gave no sentence-order example: none of its {len(documents)} documents has two sentences "
             "(ALBERT learns the order of consecutive sentences of one document, and each line of a text file is "
             "one document: put each document's sentences on one line, or use .jsonl with a text field per document)"
         )
-    return {name: torch.from_numpy(np.concatenate([part[name] for part in parts])) for name in parts[0]}
+    return {
+        "tokens": torch.from_numpy(np.concatenate([part["tokens"] for part in parts])),
+        "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])),
+        "first_segment": torch.from_numpy(np.concatenate([part["first_segment"] for part in parts])),
+        "sentence_order_label": torch.from_numpy(np.concatenate([part["labels"] for part in parts])),
+    }
 
 
 @dataclass
 class _ShardBuilder:
-    """Examples of one shard of documents, as compact arrays (picklable: it runs in worker processes)."""
+    """Examples of one shard of documents, unpadded (picklable: it runs in worker processes)."""
 
     splitter: "PunktSentenceTokenizer"
     tokenizer: object
@@ -161,22 +173,24 @@ class _ShardBuilder:
     def __call__(self, job: Tuple[Sequence[str], int]) -> Dict[str, np.ndarray]:
         documents, seed = job
         rng = random.Random(seed)
-        examples: List[dict] = []
+        tokens: List[int] = []
+        lengths, first_segment, labels = [], [], []
         for document in documents:
             sentences = [sentence for sentence in self.splitter.tokenize(document) if sentence.strip()]
             if len(sentences) < 2:
                 continue
             encoded = self.tokenizer(sentences, add_special_tokens=False)["input_ids"]
-            examples.extend(
-                create_sop_instances(
-                    [s for s in encoded if s], self.max_seq_length, self.short_seq_probability, rng, self.ids
-                )
-            )
+            pairs = create_sop_pairs([s for s in encoded if s], self.max_seq_length, self.short_seq_probability, rng)
+            for tokens_a, tokens_b, label in pairs:
+                tokens += [self.ids.cls, *tokens_a, self.ids.sep, *tokens_b, self.ids.sep]
+                lengths.append(len(tokens_a) + len(tokens_b) + 3)
+                first_segment.append(len(tokens_a) + 2)
+                labels.append(label)
         return {
-            name: np.array([example[name] for example in examples], dtype=dtype).reshape(
-                (len(examples), *([self.max_seq_length] if name != "sentence_order_label" else []))
-            )
-            for name, dtype in EXAMPLE_DTYPES.items()
+            "tokens": np.array(tokens, dtype=np.int32),
+            "lengths": np.array(lengths, dtype=np.int64),
+            "first_segment": np.array(first_segment, dtype=np.int16),
+            "labels": np.array(labels, dtype=np.int8),
         }
 
 
@@ -214,17 +228,38 @@ def mask_tokens(
 class SopDataset:
     """Fixed-length SOP examples with deterministic dynamic masking."""
 
-    def __init__(self, examples: Dict[str, torch.Tensor], ids: SpecialIds, mlm_probability: float, seed: int):
+    def __init__(
+        self,
+        examples: Dict[str, torch.Tensor],
+        ids: SpecialIds,
+        mlm_probability: float,
+        seed: int,
+        max_seq_length: int,
+    ):
+        """``examples``: what :func:`build_examples` returns."""
         self.examples, self.ids, self.mlm_probability, self.seed = examples, ids, mlm_probability, seed
+        self.max_seq_length = max_seq_length
 
     def __len__(self) -> int:
-        return len(self.examples["input_ids"])
+        return len(self.examples["sentence_order_label"])
+
+    def padded(self, index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input ids, attention mask and token types of these examples, padded to ``max_seq_length``."""
+        tokens, offsets, first = self.examples["tokens"], self.examples["offsets"], self.examples["first_segment"]
+        input_ids = torch.full((len(index), self.max_seq_length), self.ids.pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(index), self.max_seq_length), dtype=torch.long)
+        token_type_ids = torch.zeros((len(index), self.max_seq_length), dtype=torch.long)
+        for row, example in enumerate(index.tolist()):
+            start, end = int(offsets[example]), int(offsets[example + 1])
+            input_ids[row, : end - start] = tokens[start:end]
+            attention_mask[row, : end - start] = 1
+            token_type_ids[row, int(first[example]) : end - start] = 1
+        return input_ids, attention_mask, token_type_ids
 
     def batch(self, sample_ids: Sequence[int], pass_index: int) -> Batch:
         """The micro-batch for these samples; masking depends only on (seed, sample id, pass)."""
         index = torch.as_tensor(list(sample_ids), dtype=torch.long)
-        input_ids = self.examples["input_ids"][index].long()  # stored compactly (build_examples)
-        attention_mask = self.examples["attention_mask"][index].long()
+        input_ids, attention_mask, token_type_ids = self.padded(index)
         corrupted, labels = [], []
         for row, sample_id in enumerate(index.tolist()):
             generator = torch.Generator().manual_seed(stable_seed(self.seed, "mask", sample_id, pass_index))
@@ -237,7 +272,7 @@ class SopDataset:
             "input_ids": torch.cat(corrupted),
             "labels": torch.cat(labels),
             "attention_mask": attention_mask,
-            "token_type_ids": self.examples["token_type_ids"][index].long(),
+            "token_type_ids": token_type_ids,
             "sentence_order_label": self.examples["sentence_order_label"][index].long(),
             SAMPLE_IDS: index,
             "pass_index": torch.tensor(pass_index),

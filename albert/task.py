@@ -23,7 +23,7 @@ from common.timm_optim import timm_optimizer
 
 logger = logging.getLogger(__name__)
 
-DATA_FORMAT_VERSION = 2  # bump when the example-building code changes, so caches are rebuilt
+DATA_FORMAT_VERSION = 3  # bump when the example-building code changes, so caches are rebuilt
 
 
 @dataclass
@@ -258,7 +258,11 @@ def build_heldout_dataset(config: TaskConfig, tokenizer) -> SopDataset:
         ),
     )
     return SopDataset(
-        examples, special_ids(tokenizer), config.mlm_probability, stable_seed(config.data_seed, "heldout")
+        examples,
+        special_ids(tokenizer),
+        config.mlm_probability,
+        stable_seed(config.data_seed, "heldout"),
+        config.max_seq_length,
     )
 
 
@@ -310,8 +314,10 @@ def build_dataset(config: TaskConfig):
             get_documents(), tokenizer, config.max_seq_length, config.short_seq_probability, config.data_seed
         ),
     )
-    logger.info(f"ALBERT data: {len(examples['input_ids'])} SOP examples of {config.max_seq_length} tokens")
-    return tokenizer, SopDataset(examples, special_ids(tokenizer), config.mlm_probability, config.data_seed)
+    logger.info(f"ALBERT data: {len(examples['offsets']) - 1} SOP examples of up to {config.max_seq_length} tokens")
+    return tokenizer, SopDataset(
+        examples, special_ids(tokenizer), config.mlm_probability, config.data_seed, config.max_seq_length
+    )
 
 
 def build_task(run_config: RunConfig, with_data: bool = True) -> AlbertTask:

@@ -97,16 +97,29 @@ def test_document_layout_is_chosen_by_config_not_by_the_corpus_name(tmp_path):
 
 @pytest.mark.slow  # two spawned processes
 @pytest.mark.timeout(300)
-def test_examples_are_compact_and_the_same_whatever_the_number_of_build_processes(monkeypatch):
+def test_examples_are_unpadded_and_the_same_whatever_the_number_of_build_processes(monkeypatch):
     documents = load_documents("offline_wikipedia", None, 150)
     tokenizer = train_unigram_tokenizer(documents, 500)
     monkeypatch.setattr(albert_data, "DOCUMENTS_PER_SHARD", 50)  # three shards
     alone = build_examples(documents, tokenizer, 64, 0.1, seed=5, workers=1)
     shared = build_examples(documents, tokenizer, 64, 0.1, seed=5, workers=2)
     assert alone.keys() == shared.keys() and all(torch.equal(alone[name], shared[name]) for name in alone)
-    assert alone["input_ids"].dtype == torch.int32 and alone["attention_mask"].dtype == torch.int8
-    assert alone["input_ids"].shape[1] == 64 and len(alone["sentence_order_label"]) == len(alone["input_ids"]) > 50
-    batch = SopDataset(alone, special_ids(tokenizer), 0.15, seed=0).batch([0, 1, 2], pass_index=0)
+    count = len(alone["sentence_order_label"])
+    assert count > 50 and alone["tokens"].dtype == torch.int32 and len(alone["tokens"]) == int(alone["offsets"][-1])
+    # the padded batch is what the padded recipe (create_sop_instances) gives for the same pairs
+    ids = special_ids(tokenizer)
+    dataset = SopDataset(alone, ids, 0.15, seed=0, max_seq_length=64)
+    input_ids, attention_mask, token_type_ids = dataset.padded(torch.arange(count))
+    first = int(alone["offsets"][1])
+    tokens = alone["tokens"][:first].tolist()
+    split = int(alone["first_segment"][0])
+    reference = albert_data._pack(tokens[1 : split - 1], tokens[split:-1], 0, 64, ids)
+    assert (
+        input_ids[0].tolist() == reference["input_ids"] and attention_mask[0].tolist() == reference["attention_mask"]
+    )
+    assert token_type_ids[0].tolist() == reference["token_type_ids"]
+    assert int(attention_mask.sum()) == len(alone["tokens"]) and input_ids.shape == (count, 64)
+    batch = dataset.batch([0, 1, 2], pass_index=0)
     assert all(batch[name].dtype == torch.long for name in ("input_ids", "labels", "attention_mask", "token_type_ids"))
 
 

@@ -33,7 +33,7 @@ def test_heldout_batches_come_from_documents_never_trained_on(tmp_path):
     assert (batches[0]["labels"] != -100).any()  # masked like training data
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, task.heldout_batches(2)))
     # no held-out example is a training example: compare the uncorrupted token rows
-    training_rows = {tuple(row.tolist()) for row in task.dataset.examples["input_ids"]}
+    training_rows = {tuple(row.tolist()) for row in task.dataset.padded(torch.arange(len(task.dataset)))[0]}
     heldout = task.heldout_batches(2)
     originals = torch.where(heldout[0]["labels"] != -100, heldout[0]["labels"], heldout[0]["input_ids"])
     assert not any(tuple(row.tolist()) in training_rows for row in originals)
