@@ -237,6 +237,7 @@ class MemoryGuard:
 
     def __init__(self, args):
         self.limit_mib, self.floor_mib = args.memory_limit_gib * 1024, args.min_available_gib * 1024
+        self.per_peer_mib = args.gib_per_peer * 1024
         self.peak_swarm_pss_mib, self.min_available_mib, self.tripped = 0.0, float("inf"), None
 
     def check(self, swarm: LocalSwarm, with_pss: bool) -> Optional[str]:
@@ -250,6 +251,33 @@ class MemoryGuard:
         if available < self.floor_mib:
             self.tripped = f"the machine had only {available / 1024:.1f} GiB available"
         return self.tripped
+
+    def room_for_one_more(self, swarm: LocalSwarm, run_dir: Path, stop: StopFlag) -> bool:
+        """Start another peer only if the machine keeps --min-available-gib after it and the peers still starting
+        have grown to their working size (--gib-per-peer each, what one costs the machine once it trains); wait
+        for those to contribute first, and give up (recording why) when even that leaves no room."""
+        while not stop.is_set():
+            starting = [
+                name
+                for name, peer in swarm.peers.items()
+                if peer.role == "trainer" and peer.alive() and first_contribution_at(run_dir / name) is None
+            ]
+            available = psutil.virtual_memory().available / 2**20
+            self.min_available_mib = min(self.min_available_mib, available)
+            needed = self.floor_mib + self.per_peer_mib * (len(starting) + 1)
+            if available >= needed:
+                return True
+            if not starting:
+                trainers = sum(peer.role == "trainer" for peer in swarm.peers.values())
+                self.tripped = (
+                    f"no room for trainer {trainers + 1}: {available / 1024:.1f} GiB available, a peer needs "
+                    f"{self.per_peer_mib / 1024:.2f} GiB and {self.floor_mib / 1024:.0f} GiB stay free"
+                )
+                logger.warning(self.tripped)
+                return False
+            logger.info(f"waiting for {len(starting)} starting trainers before the next ({available / 1024:.1f} GiB)")
+            stop.wait(5)
+        return False
 
 
 # --- scale ---------------------------------------------------------------------------------------------------------
@@ -271,13 +299,16 @@ def run_scale(args, count: int, stop: StopFlag) -> dict:
     with emulated_swarm(args, run_dir, hosts, overrides) as (swarm, network):
         swarm.start_first_peer("monitor", "monitor", timeout=args.join_timeout)
         for name in names:
+            if not guard.room_for_one_more(swarm, run_dir, stop) or stop.is_set():
+                break
             swarm.start("trainer", name)
             stop.wait(args.start_spacing)
+        result["trainers_started"] = sum(name in swarm.peers for name in names)
         # every trainer contributed: the measured window starts
         deadline = time.monotonic() + args.join_timeout
         while not stop.is_set() and time.monotonic() < deadline:
             joined = [name for name in names if first_contribution_at(run_dir / name) is not None]
-            if len(joined) == count or guard.check(swarm, with_pss=False):
+            if len(joined) == count or guard.check(swarm, with_pss=False) or guard.tripped:
                 break
             logger.info(f"N={count}: {len(joined)}/{count} trainers contributed ({time.time() - started:.0f} s)")
             stop.wait(10)
@@ -348,7 +379,7 @@ def summarize_scale(run_dir, names, window_start, window_end, bytes_start, bytes
     startup = {name: read_json(run_dir / name / STARTUP_FILE) for name in names}
     summaries = {name: read_json(run_dir / name / "summary.json") for name in names}
     traffic = {}
-    for name in bytes_start:
+    for name in bytes_start if steps else ():
         sent = bytes_end[name]["tx"] - bytes_start[name]["tx"]
         received = bytes_end[name]["rx"] - bytes_start[name]["rx"]
         traffic[name] = {"sent_mib_per_step": sent / 2**20 / steps, "received_mib_per_step": received / 2**20 / steps}
@@ -782,6 +813,12 @@ def parse_arguments() -> argparse.Namespace:
     common.add_argument("--join-timeout", type=float, default=300.0, help="seconds the peers may take to contribute")
     common.add_argument("--memory-limit-gib", type=float, default=18.0, help="stop a run whose PSS passes this")
     common.add_argument("--min-available-gib", type=float, default=2.0, help="stop a run when the machine has less")
+    common.add_argument(
+        "--gib-per-peer",
+        type=float,
+        default=0.8,
+        help="memory one trainer takes from the machine once it trains (a 6+10 storm: about 0.75 GiB)",
+    )
     common.add_argument(
         "--lean",
         action=argparse.BooleanOptionalAction,
