@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PYTHON, ROOT
+from tests.helpers import FP16_TOLERANCE, PYTHON, ROOT, TINY_ALBERT, assert_no_processes_left, run_script
 
 INNER_STEPS, OUTER_LR, OUTER_MOMENTUM = 2, 0.7, 0.9
 DIRECTION = [1.0, -1.0, 0.5, 2.0]  # trainer i's gradient is (i + 1) x this at every inner step
@@ -184,6 +185,54 @@ def test_two_trainers_leave_an_outer_step_equal_and_a_joiner_loads_the_outer_sta
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_diloco_swarm_of_the_scripts_checkpoints_the_outer_state_and_ends_agreed(tmp_path, tiny_overrides):
+    """scripts/local_swarm.py with a monitor, 2 trainers and an auxiliary peer under diloco (H=2, 4 global steps):
+    the monitor's checkpoint holds the outer momentum and its export, and the trainers end on the same outer step."""
+    run_dir = tmp_path / "run"
+    result = run_script(
+        "scripts/local_swarm.py",
+        "--config",
+        TINY_ALBERT,
+        "--trainers",
+        "2",
+        "--aux",
+        "1",
+        "--output",
+        str(run_dir),
+        "--timeout",
+        "420",
+        *tiny_overrides,
+        "collaboration.semantics=diloco",
+        "collaboration.inner_steps=2",
+        "training.max_global_steps=4",
+        "collaboration.target_batch_size=64",
+        "training.local_batch_size=16",
+        "collaboration.expected_peers=2",
+        "monitor.checkpoint_every_steps=2",
+        "collaboration.run_id=diloco_scripts_test",
+        timeout=500,
+    )
+    try:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        checkpoints = sorted((run_dir / "monitor" / "checkpoints").glob("step_*.pt"))
+        assert checkpoints, "the monitor saved no checkpoint"
+        state = torch.load(checkpoints[-1], map_location="cpu", weights_only=False)
+        momentum = [entry["momentum_buffer"] for entry in state["outer_optimizer"]["state"].values()]
+        assert momentum and any(float(buffer.abs().sum()) > 0 for buffer in momentum)  # an outer step was taken
+        assert (run_dir / "monitor" / "hf_model" / "config.json").is_file()
+        finals = [torch.load(run_dir / f"trainer{index}" / "final_model.pt") for index in range(2)]
+        difference = max(float((finals[0][key] - finals[1][key]).abs().max()) for key in finals[0])
+        assert difference <= FP16_TOLERANCE  # fp16 on the wire leaves each peer its own share in full precision
+        for index in range(2):
+            log = (run_dir / f"trainer{index}" / "peer.log").read_text()
+            assert re.search(r"outer step before global step 4: pseudo-gradient averaged with [1-9]", log), log[-2000:]
+            assert "Traceback" not in log
+    finally:
+        assert_no_processes_left(run_dir)
 
 
 if __name__ == "__main__":
