@@ -342,7 +342,7 @@ def run_scale(args, count: int, stop: StopFlag) -> dict:
         window_end = time.time()
         bytes_end = {name: veth_bytes(network.namespaces[network.index_of(name)]) for name in names} if network else {}
         result["load_average_at_end"] = load_average()
-        swarm.stop_many(names, grace_seconds=60)
+        swarm.stop_many([name for name in names if name in swarm.peers], grace_seconds=60)
         time.sleep(3)
         swarm.stop_many(["monitor"])
         result["exit_codes"] = {name: peer.process.returncode for name, peer in swarm.peers.items()}
@@ -353,6 +353,7 @@ def run_scale(args, count: int, stop: StopFlag) -> dict:
         "swarm_pss_peak_gib": round(guard.peak_swarm_pss_mib / 1024, 2),
     }
     result.update(summarize_scale(run_dir, names, window_start, window_end, bytes_start, bytes_end, memory))
+    result.update(window_start=window_start, window_end=window_end, samples_per_step_mean=samples_per_step(run_dir))
     result["wall_seconds"] = round(time.time() - started)
     return result
 
@@ -431,6 +432,7 @@ SCALE_COLUMNS = (
     "matchmaking_lead_seconds_median",
     "averaging_seconds_median",
     "apply_seconds_median",
+    "samples_per_step_mean",
     "group_size_mean",
     "trainers_per_step_mean",
     "step_share_mean",
@@ -521,6 +523,26 @@ def scale_main(args, stop: StopFlag) -> None:
         logger.error("processes left behind:\n" + "\n".join(leftovers))
 
 
+def samples_per_step(run_dir: Path) -> Optional[float]:
+    """Mean samples in the global steps after the last trainer joined: hivemind's peers stop accumulating only when
+    they see the swarm's progress reach the target, so a global step can hold more than the target."""
+    joins = [first_contribution_at(folder) for folder in run_dir.glob("t*")]
+    last_join = max((join for join in joins if join is not None), default=0.0)
+    steps = [entry["samples"] for entry in HistoryWriter(run_dir / "monitor").read() if entry["time"] >= last_join]
+    return round(statistics.mean(steps), 1) if steps else None
+
+
+def report_main(args) -> None:
+    """Add what later versions of this driver record to scale.json's runs, from their run folders, and redraw."""
+    runs = read_json(args.results / "scale.json")["runs"]
+    for run in runs:
+        folder = args.run_dir / f"n{run['peers']:02d}"
+        if folder.exists():
+            run["samples_per_step_mean"] = samples_per_step(folder)
+    write_scale(args.results, runs)
+    logger.info(f"rewrote {args.results / 'scale.json'} and its table and plot")
+
+
 def write_scale(results: Path, runs: List[dict]) -> None:
     results.mkdir(parents=True, exist_ok=True)
     (results / "scale.json").write_text(json.dumps({"runs": runs}, indent=2) + "\n")
@@ -540,6 +562,7 @@ TABLE = (
     ("matchmaking lead s", "matchmaking_lead_seconds_median", "{:.1f}"),
     ("averaging s", "averaging_seconds_median", "{:.2f}"),
     ("apply s", "apply_seconds_median", "{:.2f}"),
+    ("samples / step (target)", ("samples_per_step_mean", "target_batch_size"), "{:.0f} ({})"),
     ("group size", "group_size_mean", "{:.1f}"),
     ("trainers / step", "trainers_per_step_mean", "{:.1f}"),
     ("step share mean (min)", ("step_share_mean", "step_share_min"), "{:.2f} ({:.2f})"),
@@ -831,6 +854,8 @@ def parse_arguments() -> argparse.Namespace:
     scale.add_argument("--measure-seconds", type=float, default=120.0, help="the window once every peer contributed")
     scale.add_argument("--start-spacing", type=float, default=0.5, help="seconds between two trainers' starts")
     scale.add_argument("--append", action="store_true", help="add to the runs already in scale.json")
+    report = sub.add_parser("report", parents=[common], help="re-read the run folders of scale.json's runs")
+    report.set_defaults(peers=[])
     storm = sub.add_parser("storm", parents=[common], help="newcomers join a running swarm at once")
     storm.add_argument("--donors", type=int, default=6, help="trainers already training")
     storm.add_argument("--newcomers", type=int, default=10, help="trainers that join during the storm")
@@ -855,7 +880,9 @@ def main() -> None:
     stop = StopFlag().install()
     if args.mode == "storm" and args.run_dir.exists() and any(args.run_dir.iterdir()):
         raise UserError(f"{args.run_dir} is not empty: give a new --run-dir")
-    if args.mode == "scale":
+    if args.mode == "report":
+        report_main(args)
+    elif args.mode == "scale":
         existing = [
             args.run_dir / f"n{count:02d}" for count in args.peers if (args.run_dir / f"n{count:02d}").exists()
         ]
