@@ -18,6 +18,10 @@ that failed or ran past collaboration.load_state_deadline. Writes storm.json to 
 
     python scripts/experiments/scale_swarm.py scale --peers 4 8 16 32
     python scripts/experiments/scale_swarm.py storm --donors 6 --newcomers 10
+    python scripts/experiments/scale_swarm.py report --run-dir outputs/scale/scale   # re-read the run folders
+
+A trainer starts only while the machine keeps --min-available-gib after it (--gib-per-peer each); an N that does not
+fit is recorded as stopped early, with the reason, and larger N are not tried.
 
 Needs root for the namespaces; ``--loopback`` runs the same swarms on loopback without link emulation (CI).
 """
