@@ -9,12 +9,13 @@ through the user-space delay line; a monitor (500 Mbit/s) records the global ste
 the matchmaking lead (overlapped with accumulation), peers per averaging group, each peer's share of the global
 steps it took part in, start-up to first contributed sample, link bytes per peer per global step (DHT and
 averaging together: the namespace's veth counters), RSS and PSS per peer (summed over its process group), and
-compute utilisation (the trainers' summary.json). Writes scale.json, scale.csv and scale_*.png to --results.
+compute utilisation (the trainers' summary.json). Writes scale.json, scale.csv, scale_table.md and scale.png
+to --results.
 
 ``storm``: a monitor and --donors trainers train; after --before-seconds, --newcomers trainers start within
 --storm-seconds. Records the donors' step rate before, during and after the storm, each newcomer's time to a
-loaded state and to its first contributed sample, the donor each download came from, and any download attempt
-that failed or ran past collaboration.load_state_deadline. Writes storm.json to --results.
+loaded state and to its first contributed sample, the donors that did not answer a request in time, and any
+download attempt that failed or ran past collaboration.load_state_deadline. Writes storm.json to --results.
 
     python scripts/experiments/scale_swarm.py scale --peers 4 8 16 32
     python scripts/experiments/scale_swarm.py storm --donors 6 --newcomers 10
