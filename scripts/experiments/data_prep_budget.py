@@ -31,7 +31,7 @@ from common.tools.provenance import ROOT, git_commit, load_average, machine_desc
 logger = logging.getLogger("data_prep_budget")
 
 CHILD = """
-import resource, sys
+import sys
 from common.config import load_config, import_task_module
 config = load_config(sys.argv[1], sys.argv[2:])
 import_task_module(config.task_module).build_task(config)
