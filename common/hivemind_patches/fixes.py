@@ -569,6 +569,30 @@ def identity_check_uses_the_start_timeout(patcher: Patcher) -> None:
     patcher.replace(P2P, "is_identity_taken", classmethod(is_identity_taken))
 
 
+def servicers_collect_their_own_handlers(patcher: Patcher) -> None:
+    """Each P2P servicer class collects its own ``rpc_*`` handlers and stub.
+
+    Fixes: ``ServicerBase._collect_rpc_handlers`` caches the handlers and the stub type in class attributes and
+    returns early when ``cls._rpc_handlers`` is set, which it also is when only a parent class collected them. A
+    subclass created after its parent (a ``TrainingStateAverager`` or ``GradientAverager`` after a plain
+    ``DecentralizedAverager`` in the same process) then registers its handlers under its own class name but calls
+    its peers through the parent's stub, under the parent's name: every call fails with "protocols not supported",
+    so such a process never averages or serves state. A trainer process creates its averagers in an order that
+    escapes this; a test process running several tests does not. Upstream: not checked against master. Remove when
+    the cache is looked up in the class's own ``__dict__``.
+    """
+    from hivemind.p2p.servicer import ServicerBase
+
+    collect = vars(ServicerBase)["_collect_rpc_handlers"].__func__
+
+    def collect_for_this_class(cls) -> None:
+        if "_rpc_handlers" not in vars(cls):
+            cls._rpc_handlers = None  # shadow a parent's cache: this class's names are its own
+        collect(cls)
+
+    patcher.replace(ServicerBase, "_collect_rpc_handlers", classmethod(collect_for_this_class))
+
+
 # (name, function) in the order ``install`` applies them
 PROCESS_WIDE = (
     ("deliver_whole_streams", deliver_whole_streams),
@@ -580,4 +604,5 @@ PROCESS_WIDE = (
     ("read_8bit_tensors_with_numpy_2", read_8bit_tensors_with_numpy_2),
     ("report_vanished_handle_senders", report_vanished_handle_senders),
     ("identity_check_uses_the_start_timeout", identity_check_uses_the_start_timeout),
+    ("servicers_collect_their_own_handlers", servicers_collect_their_own_handlers),
 )

@@ -17,7 +17,8 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.compression.quantization import Quantization
 from hivemind.p2p import P2P, P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.p2p.servicer import ServicerBase
+from hivemind.proto import averaging_pb2, dht_pb2
 
 from common import hivemind_patches
 from common.config import NetworkConfig
@@ -83,6 +84,20 @@ def test_every_patch_is_a_fix_or_a_policy_and_says_when_to_remove_it():
         if name in hivemind_patches.FIXES:
             doc = " ".join(apply.__doc__.split())
             assert "Upstream:" in doc and "Remove when" in doc, name
+
+
+def test_a_servicer_subclass_calls_its_peers_under_the_name_it_registers():
+    class Parent(ServicerBase):
+        async def rpc_ping(self, request: dht_pb2.PingRequest, context: P2PContext) -> dht_pb2.PingResponse: ...
+
+    class Child(Parent):
+        pass
+
+    Parent._collect_rpc_handlers()  # the parent first, as when a plain DecentralizedAverager ran in this process
+    Child._collect_rpc_handlers()
+    # hivemind registers a servicer's handlers under its own class name (_get_handle_name); its stub must call them
+    # under the same one
+    assert Child._stub_type.__name__ == "ChildStub" and Parent._stub_type.__name__ == "ParentStub"
 
 
 def test_a_slow_full_peer_with_no_share_gets_results_while_it_sends():
