@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import psutil
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +23,10 @@ def machine_description() -> str:
         ),
         platform.processor() or "unknown CPU",
     )
-    return f"{os.cpu_count()} CPU cores ({model}), no GPU"
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{os.cpu_count()} CPU cores ({model}), {gpu}, Python {platform.python_version()}, torch {torch.__version__}"
+    )
 
 
 def git_commit() -> str:

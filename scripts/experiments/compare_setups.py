@@ -15,9 +15,7 @@ and results.md (the exact command, the machine and its load, the table).
 
 import logging
 import os
-import platform
 import shlex
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,7 +25,6 @@ import torch
 from common.config import load_config, script_argument_parser
 from common.errors import ConfigError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
-from common.swarm import ROOT
 from common.tools.comparison import (
     SEMANTICS,
     SOCKET_POLL_SECONDS,
@@ -44,6 +41,7 @@ from common.tools.comparison import (
     summary_table,
     write_csv,
 )
+from common.tools.provenance import git_commit, machine_description
 
 logger = logging.getLogger("compare_setups")
 
@@ -110,26 +108,6 @@ def parse_arguments():
     )
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every setup")
     return parser.parse_args()
-
-
-def machine_description() -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown CPU",
-    )
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (
-        f"{os.cpu_count()} CPU cores ({model}), {gpu}, Python {platform.python_version()}, torch {torch.__version__}"
-    )
-
-
-def git_commit() -> str:
-    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
 
 
 def load_text(load: tuple) -> str:
