@@ -38,7 +38,9 @@ PINNED_VERSION = "1.1.12"  # the hivemind release every patch here is written ag
 PATCH_SET_VERSION = "2026.12.2"
 
 PROCESS_WIDE = {name: apply for name, apply in fixes.PROCESS_WIDE + policies.PROCESS_WIDE}
-FIXES = frozenset(name for name, _ in fixes.PROCESS_WIDE)
+PER_OPTIMIZER = dict(fixes.PER_OPTIMIZER)  # fixes that adapt one hivemind.Optimizer: install puts them in force
+PATCHES = (*PROCESS_WIDE, *PER_OPTIMIZER)  # every patch, in the order install applies them
+FIXES = frozenset(name for name, _ in fixes.PROCESS_WIDE + fixes.PER_OPTIMIZER)
 
 # None until :func:`install`; then what each installed patch changed (the installed-flag, and what undoes a patch)
 _installed: Optional[Dict[str, Patcher]] = None
@@ -61,15 +63,23 @@ def install(without: Collection[str] = ()) -> None:
     if _installed is not None:
         return
     require_pinned_hivemind()
-    unknown = set(without) - set(PROCESS_WIDE)
+    unknown = set(without) - set(PATCHES)
     if unknown:
-        raise ValueError(f"no such hivemind patch: {', '.join(sorted(unknown))} (known: {', '.join(PROCESS_WIDE)})")
+        raise ValueError(f"no such hivemind patch: {', '.join(sorted(unknown))} (known: {', '.join(PATCHES)})")
     installed = {}
-    for name, apply in PROCESS_WIDE.items():
+    for name in PATCHES:
         if name not in without:
-            installed[name] = Patcher()
-            apply(installed[name])
+            installed[name] = _apply(name)
     _installed = installed
+
+
+def _apply(name: str) -> Patcher:
+    patcher = Patcher()
+    if name in PER_OPTIMIZER:
+        fixes.put_in_force(name, patcher)
+    else:
+        PROCESS_WIDE[name](patcher)
+    return patcher
 
 
 def require_installed() -> None:
@@ -91,8 +101,7 @@ def disabled(name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        _installed[name] = Patcher()
-        PROCESS_WIDE[name](_installed[name])
+        _installed[name] = _apply(name)
 
 
 def software_fingerprint() -> str:
@@ -100,5 +109,5 @@ def software_fingerprint() -> str:
     fingerprint = f"hivemind {hivemind.__version__} + patch set {PATCH_SET_VERSION}"
     if _installed is None:
         return f"{fingerprint} (not installed)"
-    missing = [name for name in PROCESS_WIDE if name not in _installed]
+    missing = [name for name in PATCHES if name not in _installed]
     return f"{fingerprint} without {', '.join(missing)}" if missing else fingerprint

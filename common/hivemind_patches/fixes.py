@@ -16,6 +16,7 @@ import random
 import time
 import types
 from contextlib import closing, suppress
+from typing import Optional
 
 import hivemind
 import numpy as np
@@ -27,6 +28,22 @@ from common.hivemind_patches.patcher import Patcher
 
 logger = logging.getLogger(__name__)
 
+# The per-optimizer fixes in force in this process. ``install`` puts each in force like a process-wide patch, so
+# that ``--without-patch NAME`` and ``hivemind_patches.disabled`` leave one out: it then hands hivemind its default.
+_per_optimizer_in_force = set()
+
+
+def put_in_force(name: str, patcher: Patcher) -> None:
+    _per_optimizer_in_force.add(name)
+    patcher.on_undo(lambda: _per_optimizer_in_force.discard(name))
+
+
+def _in_force(name: str) -> bool:
+    from common import hivemind_patches  # the package imports this module
+
+    hivemind_patches.require_installed()
+    return name in _per_optimizer_in_force
+
 
 def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make ``optimizer.step`` a no-op (with a warning) when any gradient is NaN/Inf.
@@ -37,6 +54,8 @@ def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
     Upstream: unchanged on master as far as known (no issue found). Per optimizer (``make_collaborative_optimizer``).
     Remove when the all-reduce never divides by a zero weight.
     """
+    if not _in_force("skip_nonfinite_steps"):
+        return optimizer
     take_step = optimizer.step
 
     def guarded_step(self, *args, **kwargs):
@@ -51,14 +70,14 @@ def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
     return optimizer
 
 
-def client_mode_argument(dht: hivemind.DHT) -> bool:
+def client_mode_argument(dht: hivemind.DHT) -> Optional[bool]:
     """The ``client_mode`` to pass to ``hivemind.Optimizer`` explicitly.
 
     Fixes: ``Optimizer.__init__`` inverts its ``None`` check (``client_mode if client_mode is None else
     dht.client_mode``), so left at its default a client-mode trainer runs as a full peer and crashes at its first
     epoch (state sharing on a client averager). Upstream: still inverted on master. Remove when fixed there.
     """
-    return dht.client_mode
+    return dht.client_mode if _in_force("client_mode_argument") else None
 
 
 def grad_buffers_for_scaler(uses_grad_scaler: bool, use_local_updates: bool) -> bool:
@@ -72,6 +91,8 @@ def grad_buffers_for_scaler(uses_grad_scaler: bool, use_local_updates: bool) -> 
     Upstream: unchanged as far as known (not checked against master). Remove when ``GradScaler`` unscales the
     accumulators.
     """
+    if not _in_force("grad_buffers_for_scaler"):
+        return False  # hivemind's default
     return uses_grad_scaler and not use_local_updates
 
 
@@ -605,4 +626,12 @@ PROCESS_WIDE = (
     ("report_vanished_handle_senders", report_vanished_handle_senders),
     ("identity_check_uses_the_start_timeout", identity_check_uses_the_start_timeout),
     ("servicers_collect_their_own_handlers", servicers_collect_their_own_handlers),
+)
+
+# (name, function) of the fixes that adapt one ``hivemind.Optimizer`` (``common.optimizer``); ``install`` only puts
+# them in force (:func:`put_in_force`)
+PER_OPTIMIZER = (
+    ("skip_nonfinite_steps", skip_nonfinite_steps),
+    ("client_mode_argument", client_mode_argument),
+    ("grad_buffers_for_scaler", grad_buffers_for_scaler),
 )

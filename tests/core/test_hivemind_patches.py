@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import AsyncIterator
 
 import hivemind
@@ -23,6 +24,7 @@ from hivemind.proto import averaging_pb2, dht_pb2
 from common import hivemind_patches
 from common.config import NetworkConfig
 from common.dht import start_dht
+from common.hivemind_patches.fixes import client_mode_argument, grad_buffers_for_scaler
 
 
 class _Stop(Exception):
@@ -46,6 +48,14 @@ def test_a_disabled_patch_gives_hivemind_its_own_code_back_and_is_applied_again_
         assert "without read_8bit_tensors_with_numpy_2" in hivemind_patches.software_fingerprint()
     assert Quantization.extract.__qualname__.startswith("read_8bit_tensors_with_numpy_2.")
     assert hivemind_patches.software_fingerprint().endswith(f"patch set {hivemind_patches.PATCH_SET_VERSION}")
+
+
+def test_a_disabled_per_optimizer_fix_hands_hivemind_its_default_inside_the_block():
+    client_dht = SimpleNamespace(client_mode=True)
+    with hivemind_patches.disabled("client_mode_argument"):
+        assert client_mode_argument(client_dht) is None  # hivemind.Optimizer's default
+        assert hivemind_patches.software_fingerprint().endswith("without client_mode_argument")
+    assert client_mode_argument(client_dht) is True
 
 
 def test_disabling_a_log_policy_removes_its_filter_only_inside_the_block():
@@ -79,7 +89,7 @@ def test_an_unknown_patch_name_is_refused():
 def test_every_patch_is_a_fix_or_a_policy_and_says_when_to_remove_it():
     from common.hivemind_patches import fixes, policies
 
-    for name, apply in hivemind_patches.PROCESS_WIDE.items():
+    for name, apply in {**hivemind_patches.PROCESS_WIDE, **hivemind_patches.PER_OPTIMIZER}.items():
         assert apply.__module__ in (fixes.__name__, policies.__name__), name
         if name in hivemind_patches.FIXES:
             doc = " ".join(apply.__doc__.split())
@@ -140,6 +150,72 @@ def test_the_identity_check_starts_its_daemon_with_the_callers_timeout(tmp_path)
             )
         )
     assert calls[1].get("startup_timeout") == 42.0
+
+
+def test_a_client_mode_peer_builds_its_optimizer_in_client_mode():
+    """The fix ``client_mode_argument``: ``hivemind.Optimizer`` inverts its ``None`` check, so a client-mode DHT with
+    ``client_mode`` left at its default gives a full peer. Nothing starts: the constructor is stopped right after it
+    decided the mode. ``--without-patch client_mode_argument`` fails it."""
+    decided = []
+
+    class Probe(hivemind.Optimizer):
+        def _make_progress_tracker(self, *args, **kwargs):
+            decided.append(self.client_mode)
+            raise _Stop
+
+        def __del__(self):
+            pass  # hivemind's would shut down averagers this probe never built
+
+    client_dht = SimpleNamespace(client_mode=True)
+    with pytest.raises(_Stop):
+        Probe(
+            dht=client_dht,
+            run_id="client_mode",
+            target_batch_size=4,
+            batch_size_per_step=2,
+            params=[torch.nn.Parameter(torch.zeros(2))],
+            optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
+            client_mode=client_mode_argument(client_dht),
+        )
+    assert decided == [True]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_an_fp16_step_applies_the_unscaled_average_of_every_micro_batch():
+    """The fix ``grad_buffers_for_scaler``: with hivemind's default separate accumulators, ``hivemind.GradScaler``
+    unscales the model's ``.grad`` (the last micro-batch only), so the accumulated gradient is applied still
+    multiplied by the loss scale. One peer, two micro-batches, SGD with lr 1: the step must be minus their mean
+    gradient. ``--without-patch grad_buffers_for_scaler`` fails it (the step is 1024 times too large)."""
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    optimizer = None
+    try:
+        weight = torch.nn.Parameter(torch.zeros(2))
+        optimizer = hivemind.Optimizer(
+            dht=dht,
+            run_id="grad_scaler",
+            target_batch_size=4,
+            batch_size_per_step=2,
+            params=[weight],
+            optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
+            matchmaking_time=0.5,
+            averaging_timeout=5,
+            reuse_grad_buffers=grad_buffers_for_scaler(uses_grad_scaler=True, use_local_updates=False),
+            client_mode=client_mode_argument(dht),
+        )
+        scaler = hivemind.GradScaler("cpu", init_scale=1024.0)
+        for gradient in ([1.0, 2.0], [3.0, 4.0]):
+            scaler.scale((weight * torch.tensor(gradient)).sum()).backward()
+            optimizer.step(batch_size=2, grad_scaler=scaler)
+            scaler.update()
+            if not optimizer.grad_averager.reuse_grad_buffers:
+                optimizer.zero_grad()  # the accumulators hold the sum; hivemind's own usage clears .grad
+        assert optimizer.local_epoch == 1
+        assert torch.equal(weight.detach(), torch.tensor([-2.0, -3.0]))
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
 
 
 class _Averager(DecentralizedAverager):

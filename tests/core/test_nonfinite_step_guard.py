@@ -1,8 +1,12 @@
-"""The collaborative optimizer skips a step whose averaged gradient is not finite (a partial all-reduce)."""
+"""The collaborative optimizer skips a step whose averaged gradient is not finite (a partial all-reduce): the fix
+``skip_nonfinite_steps``. ``--without-patch skip_nonfinite_steps`` fails these tests."""
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
+from hivemind.averaging.partition import TensorPartReducer
 
 from common.hivemind_compat import skip_nonfinite_steps
 
@@ -35,3 +39,23 @@ def test_nonfinite_gradient_leaves_parameters_and_state_untouched(caplog):
     weight.grad = torch.ones(3)
     optimizer.step()
     assert bool(torch.isfinite(weight).all()) and not torch.equal(weight.detach(), torch.ones(3))
+
+
+def test_a_round_where_only_zero_weight_peers_got_through_is_skipped():
+    """hivemind's reducer divides a part by the total weight it received: when the one peer with samples fails
+    before sending it and only a zero-weight peer (tagging along) got through, the average is 0/0."""
+
+    async def average_of_a_cut_round() -> torch.Tensor:
+        reducer = TensorPartReducer([torch.Size([3])], num_senders=2)
+        reducer.on_sender_failed(0)  # the peer with samples, before its part arrived
+        return await reducer.accumulate_part(1, 0, torch.ones(3), weight=0.0)
+
+    average = asyncio.run(average_of_a_cut_round())
+    assert torch.isnan(average).all()  # the fault: hivemind hands this average to every peer of the round
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer, scheduler = make_guarded_sgd(weight)
+    weight.grad = average
+    optimizer.step()
+    scheduler.step()
+    assert torch.equal(weight.detach(), torch.ones(3))
