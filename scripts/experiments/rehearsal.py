@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import psutil
 import torch
 
 from common.checkpoints import CHECKPOINT_DIR, list_checkpoints, read_state_file
@@ -59,10 +60,13 @@ COLUMNS = [
     "data_prep_peak_rss_mb",
     "trainer_peak_rss_mb",
     "monitor_peak_rss_mb",
+    "swarm_peak_rss_mb",
+    "checkpoint_step",
     "checkpoint_mb",
     "state_download_mb_fp16",
     "export_reloaded",
     "export_max_abs_diff",
+    "late_joiner",
     "late_joiner_step",
     "late_joiner_max_abs_diff",
     "batchnorm_trained",
@@ -234,38 +238,90 @@ def batchnorm_trained(config, checkpoint: dict) -> str:
     return f"yes ({moved:.3g})" if moved > 1e-3 else f"NO ({moved:.3g})"
 
 
+def checkpoint_step(path: Path) -> int:
+    return int(path.stem.split("_")[1])
+
+
+def newest_checkpoint_step(folder: Path) -> int:
+    checkpoints = list_checkpoints(folder / "monitor" / "checkpoints")
+    return checkpoint_step(checkpoints[-1]) if checkpoints else -1
+
+
+def group_rss_mb(pid: int) -> float:
+    """Resident memory of a peer's whole process group now (its hivemind and loader children included)."""
+    try:
+        members = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0
+    for member in members:
+        try:
+            total += member.memory_info().rss
+        except psutil.Error:
+            continue
+    return total / 2**20
+
+
+LOADED = "loaded the swarm's state: continuing from global step "
+
+
+def joiner_loaded_step(log: Path) -> Optional[int]:
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if LOADED in line:
+            return int(line.split(LOADED)[1].split()[0])
+    return None
+
+
 def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: float, row: dict) -> None:
+    """Monitor + 2 trainers for ``steps`` global steps; the late joiner starts once the monitor holds a checkpoint
+    of step 1 or later, so it downloads the state while the trainers still run (they are its donors)."""
     peaks: Dict[str, float] = {}
+    total_peak = [0.0]
+    trainers_alive_when_loaded: List[bool] = []
 
     def sample(swarm: LocalSwarm) -> None:
+        total = 0.0
         for name, peer in swarm.peers.items():
             value = peak_rss_mb(peer.process.pid)
             if value is not None:
                 peaks[name] = max(peaks.get(name, 0.0), value)
+            total += group_rss_mb(peer.process.pid)
+        total_peak[0] = max(total_peak[0], total)
+        if "late" in swarm.peers and not trainers_alive_when_loaded:
+            if joiner_loaded_step(swarm.peers["late"].log_path) is not None:
+                trainers_alive_when_loaded.append(all(swarm.peers[name].alive() for name in trainers))
 
     config_path = str(ROOT / rehearsal.config)
+    trainers = ["trainer0", "trainer1"]
     with LocalSwarm(config_path, folder, overrides) as swarm:
         swarm.start_first_peer("monitor", "monitor", rehearsal.peer_overrides.get("monitor", []), timeout=600)
         if rehearsal.auxiliary:
             swarm.start("auxiliary", "aux", rehearsal.peer_overrides.get("aux", []))
-        trainers = ["trainer0", "trainer1"]
         for name in trainers:
             swarm.start("trainer", name)
-        finished = swarm.wait(trainers, timeout, on_tick=lambda: sample(swarm), tick_seconds=2.0)
+        deadline = time.monotonic() + timeout
+        swarm.wait(
+            trainers,
+            timeout,
+            on_tick=lambda: sample(swarm),
+            tick_seconds=1.0,
+            should_stop=lambda: newest_checkpoint_step(folder) >= 1,
+        )
+        started_late = newest_checkpoint_step(folder) >= 1 and all(swarm.peers[name].alive() for name in trainers)
+        if started_late:
+            swarm.start("trainer", "late", ["collaboration.expected_peers=1"])
+        everyone = [*trainers, *(["late"] if started_late else [])]
+        finished = swarm.wait(
+            everyone, max(60.0, deadline - time.monotonic()), on_tick=lambda: sample(swarm), tick_seconds=1.0
+        )
         sample(swarm)
-        failed = [name for name in trainers if not finished or swarm.peers[name].process.returncode != 0]
-        problems = [f"{name} exit {swarm.peers[name].process.returncode}" for name in failed]
-        checkpoints = list_checkpoints(folder / "monitor" / "checkpoints")
-        deadline = time.monotonic() + 120
-        while not checkpoints or int(checkpoints[-1].stem.split("_")[1]) < row["steps_target"]:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(2)
-            checkpoints = list_checkpoints(folder / "monitor" / "checkpoints")
-        # the late joiner: the trainers have left, the monitor serves its checkpoint's state
-        swarm.start("trainer", "late", ["collaboration.expected_peers=1"])
-        joined = swarm.wait(["late"], timeout / 2, on_tick=lambda: sample(swarm), tick_seconds=2.0)
-        late_ok = joined and swarm.peers["late"].process.returncode == 0
+        problems = [
+            f"{name} exit {swarm.peers[name].process.returncode}"
+            for name in everyone
+            if not finished or swarm.peers[name].process.returncode != 0
+        ]
+        if not started_late:
+            problems.append("the trainers ended before the monitor's first checkpoint: no late joiner")
         swarm.stop("monitor")
         if rehearsal.auxiliary:
             swarm.stop("aux")
@@ -273,6 +329,7 @@ def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout:
     row["monitor_peak_rss_mb"] = round(peaks.get("monitor", 0.0))
     if rehearsal.auxiliary:
         row["monitor_peak_rss_mb"] = f"{row['monitor_peak_rss_mb']} (aux {round(peaks.get('aux', 0.0))})"
+    row["swarm_peak_rss_mb"] = round(total_peak[0])
     steps = [json.loads(line) for line in (folder / "trainer0" / "steps.jsonl").read_text().splitlines()]
     row["steps"] = max((step["step"] + 1 for step in steps), default=0)
     row["s_per_step"] = round(sum(step["seconds"] for step in steps) / max(len(steps), 1), 1)
@@ -281,16 +338,23 @@ def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout:
         row["status"] = "; ".join([*problems, "no monitor checkpoint"])
         return
     checkpoint = read_state_file(checkpoints[-1])
+    row["checkpoint_step"] = checkpoint_step(checkpoints[-1])
     config = load_config(config_path, overrides)
     fill_checkpoint_columns(rehearsal, config, row, checkpoints[-1], checkpoint, folder / "monitor" / EXPORT_DIR)
-    if late_ok:
+    late_ok = started_late and swarm.peers["late"].process.returncode == 0
+    loaded = joiner_loaded_step(folder / "late" / "peer.log") if started_late else None
+    if late_ok and loaded is not None:
+        alive = "the trainers alive" if trainers_alive_when_loaded == [True] else "after the trainers left"
+        row["late_joiner"] = f"loaded step {loaded} ({alive})"
         late = read_state_file(folder / "late" / "final_model.pt")
+        reference = read_state_file(folder / "trainer0" / "final_model.pt")
+        names = [name for name, value in reference.items() if value.is_floating_point()]
         row["late_joiner_step"] = json.loads((folder / "late" / "summary.json").read_text())["global_steps"]
-        names = [name for name, value in checkpoint["model"].items() if value.is_floating_point()]
-        row["late_joiner_max_abs_diff"] = f"{max_abs_diff(late, checkpoint['model'], names):.3g}"
-    else:
-        row["late_joiner_step"] = "failed: " + swarm.peers["late"].log_tail(2).replace("\n", " | ")
-    if not late_ok:
+        row["late_joiner_max_abs_diff"] = f"{max_abs_diff(late, reference, names):.3g}"
+        if trainers_alive_when_loaded != [True]:
+            problems.append("the late joiner loaded the state after the trainers left")
+    elif started_late:
+        row["late_joiner"] = "failed: " + swarm.peers["late"].log_tail(2).replace("\n", " | ")
         problems.append("late joiner failed")
     if row["export_reloaded"] != "yes":
         problems.append("export not reloaded")
@@ -312,9 +376,11 @@ def fill_checkpoint_columns(rehearsal, config, row: dict, path: Path, checkpoint
 def run_ddp(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: float, row: dict) -> None:
     config_path = str(ROOT / rehearsal.config)
     run_overrides = [*overrides, f"training.output_dir={folder / 'run'}"]
-    peak = 0.0
+    peak, total_peak = 0.0, 0.0
     for attempt in ("train", "resume"):
-        command = [*torchrun_command(2, config_path), *run_overrides]
+        # the resumed run takes one step more than the checkpoint it resumes from: it trains on, not only loads
+        extra = [f"training.max_global_steps={row['steps_target'] + 1}"] if attempt == "resume" else []
+        command = [*torchrun_command(2, config_path), *run_overrides, *extra]
         log = (folder / f"{attempt}.log").open("wb")
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
@@ -326,7 +392,8 @@ def run_ddp(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: f
                 children = subprocess.run(["pgrep", "-g", str(process.pid)], capture_output=True, text=True)
                 workers = [int(pid) for pid in children.stdout.split() if int(pid) != process.pid]  # not torchrun
                 peak = max([peak, *(peak_rss_mb(pid) or 0.0 for pid in workers)])
-                time.sleep(2)
+                total_peak = max(total_peak, group_rss_mb(process.pid))
+                time.sleep(1)
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
@@ -338,15 +405,25 @@ def run_ddp(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: f
         if process.returncode != 0:
             row["status"] = f"torchrun ({attempt}) exit {process.returncode}: see {folder / f'{attempt}.log'}"
             return
+        if attempt == "train":
+            first_checkpoints = list_checkpoints(folder / "run" / CHECKPOINT_DIR)
     row["trainer_peak_rss_mb"] = round(peak)
     row["monitor_peak_rss_mb"] = "none (DDP)"
-    resumed = (folder / "resume.log").read_text(errors="replace")
-    row["late_joiner_step"] = "resumed" if "resumed from" in resumed else "did not resume"
+    row["swarm_peak_rss_mb"] = round(total_peak)
+    resume_log = (folder / "resume.log").read_text(errors="replace").splitlines()
+    resumed = [line for line in resume_log if "resumed from" in line]
     workers = sorted((folder / "run").glob("*/steps.jsonl"))
     steps = [json.loads(line) for line in workers[0].read_text().splitlines()] if workers else []
-    row["steps"] = len(steps)
+    row["steps"] = max((step["step"] + 1 for step in steps), default=0)
     row["s_per_step"] = round(sum(step["seconds"] for step in steps) / max(len(steps), 1), 1)
-    checkpoints = list_checkpoints(folder / "run" / CHECKPOINT_DIR)
+    row["late_joiner"] = (
+        f"resumed at step {resumed[0].split('global step ')[-1].strip()}, then trained to step {row['steps']}"
+        if resumed
+        else "did not resume"
+    )
+    row["late_joiner_step"] = row["steps"] if resumed else ""
+    # the export and its check use the first run's last checkpoint (the one the resumed run started from)
+    checkpoints = first_checkpoints
     if not checkpoints:
         row["status"] = "no checkpoint"
         return
@@ -365,7 +442,9 @@ def run_ddp(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: f
     if result.returncode != 0:
         row["export_reloaded"] = f"no: export exit {result.returncode}: {result.stderr.strip()[-150:]}"
     row["late_joiner_max_abs_diff"] = "n/a (DDP resumes from its checkpoint)"
-    row["status"] = "ok" if row["late_joiner_step"] == "resumed" and row["export_reloaded"] == "yes" else "incomplete"
+    row["checkpoint_step"] = checkpoint_step(checkpoints[-1])
+    ok = resumed and row["steps"] > row["steps_target"] and row["export_reloaded"] == "yes"
+    row["status"] = "ok" if ok else "incomplete"
 
 
 def main() -> None:
@@ -419,6 +498,9 @@ def main() -> None:
             prep_overrides = [override for override in overrides if not override.startswith("training.max_global")]
             seconds, rss = prepare_data(rehearsal, prep_overrides, folder / "data_prep.log")
             row["data_prep_s"], row["data_prep_peak_rss_mb"] = round(seconds, 1), round(rss)
+            built = "documents" in (folder / "data_prep.log").read_text()  # logged when the corpus is read
+            if rehearsal.config.startswith("configs/albert") and not built:
+                row["data_prep_s"] = f"{row['data_prep_s']} (cached)"  # tokenizer and examples were already built
             logger.info(f"{name}: rehearsing ({' '.join(overrides)})")
             (run_ddp if rehearsal.ddp else run_swarm)(rehearsal, overrides, folder, args.timeout, row)
         except Exception as error:  # a failed rehearsal is a row that says so; the others still run
