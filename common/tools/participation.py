@@ -532,3 +532,36 @@ def leaderboard(history_records: Sequence[Mapping], peer_sessions: Sequence[Peer
         for name in names
     ]
     return sorted(rows, key=lambda row: (-row.hours_online, -row.samples, row.participant))
+
+
+# ----------------------------------------------------------------------------------------------- links
+
+
+@dataclass(frozen=True)
+class ParticipantLink:
+    """The home link a participant's emulated host gets in a replay."""
+
+    hardware: str
+    upload_mbit: float
+    download_mbit: float
+    accepts_inbound: bool  # volunteers are behind NAT (client mode, as published)
+
+
+def participant_links(sessions: Sequence[Session], hardware_table: SetupConfig) -> Dict[str, ParticipantLink]:
+    """Each participant's link: the upload/download of its hardware's node group in ``hardware_table`` (the
+    machine it runs on; one participant keeps one machine, its sessions never overlap), and no inbound
+    connections for a volunteer."""
+    groups: Dict[str, NodeGroup] = {group.name: group for group in hardware_table.nodes}
+    unknown = sorted({session.hardware for session in sessions} - set(groups))
+    if unknown:
+        raise DataError(
+            f"hardware {unknown} not in the hardware table {hardware_table.name} (known: {sorted(groups)})"
+        )
+    links: Dict[str, ParticipantLink] = {}
+    for session in sorted(sessions, key=lambda s: s.start_hour):
+        group = groups[session.hardware]
+        links.setdefault(
+            session.participant,
+            ParticipantLink(session.hardware, group.upload_mbps, group.download_mbps, not session.client_mode),
+        )
+    return links

@@ -19,7 +19,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import psutil
@@ -34,6 +34,7 @@ from common.tools.participation import (
     ReplayEvent,
     ReplaySchedule,
     leaderboard,
+    max_concurrency,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,19 +62,65 @@ class ReplayRecord:
     memory: List[MemorySample] = field(default_factory=list)
     lag_seconds: List[float] = field(default_factory=list)  # how late each event was played
     wall_seconds: float = 0.0
+    refused: Dict[str, str] = field(default_factory=dict)  # peer name -> why its session was not started
+    sockets_removed: int = 0  # socket files the peers left (SIGKILLed peers cannot remove theirs)
 
 
-def process_group_memory_mb(pgid: int) -> Tuple[float, float]:
+def process_groups() -> Dict[int, List[int]]:
+    """pgid -> its pids, in one pass over the machine's processes (one pass per sample, not one per peer: with
+    sixteen peers and a busy machine, a pass per peer delayed the schedule's events by seconds)."""
+    groups: Dict[int, List[int]] = {}
+    for pid in psutil.pids():
+        try:
+            groups.setdefault(os.getpgid(pid), []).append(pid)
+        except (ProcessLookupError, OSError):
+            continue
+    return groups
+
+
+def process_group_memory_mb(pgid: int, groups: Optional[Dict[int, List[int]]] = None) -> Tuple[float, float]:
     """(RSS, PSS) summed over every process in a process group, in MiB (zeros when the group is gone)."""
     rss = pss = 0
-    for process in psutil.process_iter(["pid"]):
+    for pid in (groups if groups is not None else process_groups()).get(pgid, []):
         try:
-            if os.getpgid(process.pid) == pgid:
-                memory = process.memory_full_info()
-                rss, pss = rss + memory.rss, pss + memory.pss
+            memory = psutil.Process(pid).memory_full_info()
+            rss, pss = rss + memory.rss, pss + memory.pss
         except (ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return rss / 2**20, pss / 2**20
+
+
+def unix_socket_paths(pgid: int, groups: Optional[Dict[int, List[int]]] = None) -> Set[str]:
+    """Filesystem paths of the unix sockets a process group holds open (its p2pd's and the peer's p2p client
+    sockets): a SIGKILLed peer cannot remove them, so the driver notes them while the peer lives. Read through each
+    process's own /proc view, which shows its network namespace's sockets."""
+    paths: Set[str] = set()
+    for pid in (groups if groups is not None else process_groups()).get(pgid, []):
+        try:
+            inodes = set()
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+            for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
+                fields = line.split()
+                if len(fields) >= 8 and fields[6] in inodes and "hivemind-" in fields[7]:
+                    paths.add(fields[7])
+        except OSError:
+            continue
+    return paths
+
+
+def remove_stale_sockets(paths: Iterable[str]) -> int:
+    """Delete the socket files the replay's peers left behind (they are all gone by now); returns how many."""
+    removed = 0
+    for path in paths:
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            continue
+    return removed
 
 
 class ReplayDriver:
@@ -88,8 +135,12 @@ class ReplayDriver:
         progress_every_seconds: float = 30.0,
         grace_seconds: float = 20.0,
         should_stop: Callable[[], bool] = lambda: False,
+        admit: Optional[Callable[[str], Optional[str]]] = None,
     ):
+        """``admit(peer_name)``: asked before each trainer starts; a reason (a string) refuses the session, which
+        is then recorded as not played (a machine without room for one more trainer)."""
         self.swarm, self.schedule = swarm, schedule
+        self.admit = admit
         self.trainer_overrides = list(trainer_overrides)
         self.memory_every_seconds, self.progress_every_seconds = memory_every_seconds, progress_every_seconds
         self.grace_seconds, self.should_stop = grace_seconds, should_stop
@@ -97,6 +148,7 @@ class ReplayDriver:
         self._started_at: Dict[str, float] = {}
         self._participant: Dict[str, str] = {}
         self._leaving: Dict[str, float] = {}  # peer name -> deadline for its graceful exit
+        self._sockets: Set[str] = set()
 
     # ------------------------------------------------------------------ schedule
     def run(self) -> ReplayRecord:
@@ -130,9 +182,16 @@ class ReplayDriver:
 
     def _play(self, event: ReplayEvent) -> None:
         if event.action == ReplayAction.start:
+            refusal = self.admit(event.peer_name) if self.admit is not None else None
+            if refusal:
+                logger.warning(f"{event.peer_name} not started: {refusal}")
+                self.record.refused[event.peer_name] = refusal
+                return
             self.swarm.start("trainer", event.peer_name, self.trainer_overrides)
             self._started_at[event.peer_name] = time.time()
             self._participant[event.peer_name] = event.participant
+            return
+        if event.peer_name in self.record.refused:
             return
         peer = self.swarm.peers[event.peer_name]
         if not peer.alive():
@@ -141,6 +200,7 @@ class ReplayDriver:
             )
             self._end_session(event.peer_name, "exited")
             return
+        self._sockets |= unix_socket_paths(peer.process.pid)
         if event.exit == ExitKind.crash:
             self.swarm.stop(event.peer_name, graceful=False)
             self._end_session(event.peer_name, "crash")
@@ -168,6 +228,10 @@ class ReplayDriver:
         trainers = [name for name in self._started_at if name not in self.record.exits]
         for name in trainers:  # the schedule ended (or was interrupted) with these still running
             self._end_session(name, "graceful")
+        groups = process_groups()
+        for name in trainers + [AUXILIARY, MONITOR]:
+            if name in self.swarm.peers and self.swarm.peers[name].alive():
+                self._sockets |= unix_socket_paths(self.swarm.peers[name].process.pid, groups)
         self.swarm.stop_many(trainers, graceful=True, grace_seconds=self.grace_seconds)
         while self._leaving:  # already signalled: a second SIGTERM would make them exit at once
             self._reap_leaving()
@@ -176,16 +240,20 @@ class ReplayDriver:
         self.swarm.stop_many([AUXILIARY, MONITOR], graceful=True, grace_seconds=self.grace_seconds)
         for name, peer in self.swarm.peers.items():
             self.record.exit_codes.setdefault(name, peer.process.returncode)
+        self.record.sockets_removed = remove_stale_sockets(self._sockets)
 
     # ------------------------------------------------------------------ observation
     def _live_trainers(self) -> List[str]:
         return [name for name in self._started_at if name not in self.record.exits and self.swarm.peers[name].alive()]
 
     def _sample_memory(self, seconds: float) -> None:
+        groups = process_groups()
         for name, peer in self.swarm.peers.items():
+            if peer.alive():
+                self._sockets |= unix_socket_paths(peer.process.pid, groups)
             if peer.alive() and name not in self._leaving:
                 self.record.memory.append(
-                    MemorySample(seconds, name, peer.role, *process_group_memory_mb(peer.process.pid))
+                    MemorySample(seconds, name, peer.role, *process_group_memory_mb(peer.process.pid, groups))
                 )
 
     def _log_progress(self, seconds: float) -> None:
@@ -250,6 +318,58 @@ def trainer_memory(samples: Sequence[MemorySample], warmup_seconds: float) -> di
     }
 
 
+def concurrency_reached(sessions: Sequence[PeerSession]) -> int:
+    """The most trainer processes that ran at once (from when each was started to when it was stopped)."""
+    edges = sorted([(s.start_time, 1) for s in sessions] + [(s.end_time, -1) for s in sessions])
+    running = peak = 0
+    for _, change in edges:  # a stop sorts before a start at the same instant: a slot handed over is not two
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
+def utilisation_from_history(history: Sequence[dict]) -> dict:
+    """Samples used vs computed over the whole swarm, from each peer's last running totals in the monitor's history.
+
+    A peer reports its totals with its step records, so what a crashed trainer computed after its last record (the
+    accumulation a SIGKILL threw away) is missing here; the trainers' own summaries (graceful exits only) hold it."""
+    last: Dict[str, dict] = {}
+    for entry in history:
+        last.update(entry.get("utilisation") or {})
+    computed = sum(peer["computed_total"] for peer in last.values())
+    used = sum(peer["used_share"] * peer["computed_total"] for peer in last.values())
+    wall = sum(peer["wall_seconds_total"] for peer in last.values())
+    return {
+        "peers_reporting": len(last),
+        "samples_computed": round(computed),
+        "samples_used": round(used),
+        "used_share": round(used / computed, 4) if computed else None,
+        "compute_share": round(sum(p["compute_share"] * p["wall_seconds_total"] for p in last.values()) / wall, 4)
+        if wall
+        else None,
+        "history_last_used_share": history[-1].get("used_share") if history else None,
+        "history_last_compute_share": history[-1].get("compute_share") if history else None,
+    }
+
+
+def utilisation_from_summaries(run_dir: Path, peer_names: Sequence[str]) -> dict:
+    """The same from the trainers' summary.json (written at a graceful exit, start-up and last round included)."""
+    summaries = []
+    for name in peer_names:
+        try:
+            summaries.append(json.loads((run_dir / name / "summary.json").read_text()))
+        except (OSError, ValueError):
+            continue
+    computed = sum(summary.get("samples", 0) for summary in summaries)
+    used = sum(summary.get("samples_used", 0) for summary in summaries)
+    return {
+        "trainers_with_summary": len(summaries),
+        "samples_computed": computed,
+        "samples_used": used,
+        "used_share": round(used / computed, 4) if computed else None,
+    }
+
+
 def summarise(
     record: ReplayRecord, schedule: ReplaySchedule, history: Sequence[dict], memory_warmup_seconds: float
 ) -> dict:
@@ -261,17 +381,30 @@ def summarise(
         "schedule_seconds": schedule.duration_seconds,
         "time_scale": schedule.time_scale,
         "max_concurrent_trainers": schedule.max_concurrent,
+        "peak_concurrent_trainers_scheduled": max_concurrency(schedule.events),
+        "peak_concurrent_trainers_reached": concurrency_reached(record.sessions),
+        "sessions_in_schedule": schedule.sessions_replayed,
+        "sessions_skipped_short": schedule.sessions_skipped_short,
+        "sessions_skipped_busy": schedule.sessions_skipped_busy,
+        "sessions_refused": len(record.refused),
+        "refusals": record.refused,
         "trainer_sessions": len(record.sessions),
+        "sessions_in_a_global_step": len(
+            {name for entry in history for name in entry.get("names", {}).values()}
+            & {session.peer_name for session in record.sessions}
+        ),
         "exits": {
             how: sum(1 for value in record.exits.values() if value == how) for how in ("graceful", "crash", "exited")
         },
         "max_event_lag_seconds": round(max(record.lag_seconds, default=0.0), 2),
+        "socket_files_removed": record.sockets_removed,
         "global_steps_recorded": len(history),
         "last_global_step": steps[-1] if steps else None,
         "steps_strictly_increasing": all(b > a for a, b in zip(steps, steps[1:])),
         "total_samples": sum(entry["samples"] for entry in history),
         "loss_first": history[0]["loss"] if history else None,
         "loss_last": history[-1]["loss"] if history else None,
+        "utilisation": utilisation_from_history(history),
         "memory": {
             MONITOR: memory_trend(record.memory, MONITOR, warmup),
             AUXILIARY: memory_trend(record.memory, AUXILIARY, warmup),
@@ -385,6 +518,9 @@ def write_outputs(
     plot_replay(record, schedule, history, directory / "replay.png")
     summary = summarise(record, schedule, history, memory_warmup_seconds)
     summary["leaderboard_samples"] = sum(row.samples for row in rows)
+    summary["utilisation_graceful_summaries"] = utilisation_from_summaries(
+        run_dir, [session.peer_name for session in record.sessions]
+    )
     summary["sessions"] = [
         {**asdict(session), "exit": record.exits.get(session.peer_name)} for session in record.sessions
     ]

@@ -18,6 +18,7 @@ from common.tools.participation import (
     hardware_rates,
     leaderboard,
     max_concurrency,
+    participant_links,
     read_trace_csv,
     simulate_full_scale,
     trace_statistics,
@@ -145,3 +146,20 @@ def test_leaderboard_sums_to_swarm_total():
     assert rows["bob"].samples == 20 and rows["bob"].global_steps == 1  # a zero contribution is no participation
     assert rows["ghost"].hours_online == 0.0 and rows["ghost"].samples == 20
     assert [row.participant for row in leaderboard(history, sessions)][0] == "bob"  # most hours first
+
+
+def test_participant_links_follow_hardware_and_kind(trace):
+    links = participant_links(trace, HARDWARE)
+    assert set(links) == {session.participant for session in trace}
+    groups = {group.name: group for group in HARDWARE.nodes}
+    for session in trace:
+        link = links[session.participant]
+        assert link.hardware == session.hardware
+        assert (link.upload_mbit, link.download_mbit) == (
+            groups[link.hardware].upload_mbps,
+            groups[link.hardware].download_mbps,
+        )
+        assert link.accepts_inbound == (session.kind != ParticipantKind.volunteer)
+    odd = [Session("x", 0, 1, ParticipantKind.volunteer, ExitKind.crash, "TPU", 1.0)]
+    with pytest.raises(DataError, match="TPU"):
+        participant_links(odd, HARDWARE)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from common.swarm import LocalSwarm
-from common.tools.participation import ExitKind, ParticipantKind, Session, compress_trace
-from common.tools.replay import ReplayDriver, write_outputs
+from common.tools.participation import ExitKind, ParticipantKind, PeerSession, Session, compress_trace
+from common.tools.replay import ReplayDriver, concurrency_reached, utilisation_from_history, write_outputs
 from tests.helpers import ROOT, read_jsonl
 
 TINY = str(ROOT / "configs/albert/tiny.yaml")
@@ -23,6 +23,29 @@ def session(participant: str, start: float, end: float, exit_kind: ExitKind) -> 
 
 def processes_mentioning(path: Path) -> str:
     return subprocess.run(["pgrep", "-af", str(path)], capture_output=True, text=True).stdout.strip()
+
+
+def test_concurrency_counts_a_handed_over_slot_once():
+    sessions = [PeerSession("a", "a", 0, 10), PeerSession("b", "b", 10, 20), PeerSession("c", "c", 5, 15)]
+    assert concurrency_reached(sessions) == 2
+    assert concurrency_reached([]) == 0
+
+
+def test_utilisation_uses_each_peers_last_totals():
+    def totals(used_share, computed, compute_share, wall):
+        return dict(
+            used_share=used_share, compute_share=compute_share, computed_total=computed, wall_seconds_total=wall
+        )
+
+    history = [
+        {"utilisation": {"p1": totals(1.0, 100, 0.5, 10)}},
+        {"utilisation": {"p1": totals(0.5, 200, 0.5, 20), "p2": totals(1.0, 100, 1.0, 20)}, "used_share": 0.67},
+    ]
+    result = utilisation_from_history(history)
+    assert (result["peers_reporting"], result["samples_computed"], result["samples_used"]) == (2, 300, 200)
+    assert result["used_share"] == round(200 / 300, 4) and result["compute_share"] == 0.75
+    assert result["history_last_used_share"] == 0.67
+    assert utilisation_from_history([])["used_share"] is None
 
 
 @pytest.mark.slow
