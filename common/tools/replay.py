@@ -64,6 +64,7 @@ class ReplayRecord:
     wall_seconds: float = 0.0
     refused: Dict[str, str] = field(default_factory=dict)  # peer name -> why its session was not started
     sockets_removed: int = 0  # socket files the peers left (SIGKILLed peers cannot remove theirs)
+    gate_wait_seconds: float = 0.0  # how long gates held the schedule back in all
 
 
 def process_groups() -> Dict[int, List[int]]:
@@ -136,11 +137,14 @@ class ReplayDriver:
         grace_seconds: float = 20.0,
         should_stop: Callable[[], bool] = lambda: False,
         admit: Optional[Callable[[str], Optional[str]]] = None,
+        gate: Optional[Callable[[ReplayEvent], bool]] = None,
     ):
         """``admit(peer_name)``: asked before each trainer starts; a reason (a string) refuses the session, which
-        is then recorded as not played (a machine without room for one more trainer)."""
+        is then recorded as not played (a machine without room for one more trainer). ``gate(event)``: an event
+        is played only once it returns True, and the rest of the schedule waits as long (a test plays "join once
+        the swarm has stepped" at the pace of the machine instead of guessing it with a long schedule)."""
         self.swarm, self.schedule = swarm, schedule
-        self.admit = admit
+        self.admit, self.gate = admit, gate
         self.trainer_overrides = list(trainer_overrides)
         self.memory_every_seconds, self.progress_every_seconds = memory_every_seconds, progress_every_seconds
         self.grace_seconds, self.should_stop = grace_seconds, should_stop
@@ -157,28 +161,44 @@ class ReplayDriver:
         origin = time.time()
         self.record = ReplayRecord(origin=origin)
         events = sorted(self.schedule.events, key=lambda e: (e.time_seconds, e.action != ReplayAction.stop))
-        next_memory = next_progress = 0.0
+        self._next_memory = self._next_progress = 0.0
         try:
             for event in events:
-                while (now := time.time() - origin) < event.time_seconds:
-                    if self.should_stop():
-                        logger.warning("replay interrupted: stopping every peer")
+                # a gate held back earlier events: the rest of the schedule moves later by as much
+                while (now := time.time() - origin - self.record.gate_wait_seconds) < event.time_seconds:
+                    if not self._idle(now):
                         return self.record
-                    if now >= next_memory:
-                        self._sample_memory(now)
-                        next_memory = now + self.memory_every_seconds
-                    if now >= next_progress:
-                        self._log_progress(now)
-                        next_progress = now + self.progress_every_seconds
-                    self._reap_leaving()
                     time.sleep(min(0.2, max(0.0, event.time_seconds - now)))
-                self.record.lag_seconds.append(time.time() - origin - event.time_seconds)
+                if self.gate is not None and not self.gate(event):
+                    waiting_since = time.time()
+                    while not self.gate(event):
+                        if not self._idle(time.time() - origin - self.record.gate_wait_seconds):
+                            return self.record
+                        time.sleep(0.2)
+                    self.record.gate_wait_seconds += time.time() - waiting_since
+                self.record.lag_seconds.append(
+                    time.time() - origin - self.record.gate_wait_seconds - event.time_seconds
+                )
                 self._play(event)
             self._sample_memory(time.time() - origin)
             return self.record
         finally:
             self._stop_everything()
             self.record.wall_seconds = time.time() - origin
+
+    def _idle(self, now: float) -> bool:
+        """Between events: sample memory, log progress, reap leavers; False once the replay must stop."""
+        if self.should_stop():
+            logger.warning("replay interrupted: stopping every peer")
+            return False
+        if now >= self._next_memory:
+            self._sample_memory(now)
+            self._next_memory = now + self.memory_every_seconds
+        if now >= self._next_progress:
+            self._log_progress(now)
+            self._next_progress = now + self.progress_every_seconds
+        self._reap_leaving()
+        return True
 
     def _play(self, event: ReplayEvent) -> None:
         if event.action == ReplayAction.start:
@@ -397,6 +417,7 @@ def summarise(
             how: sum(1 for value in record.exits.values() if value == how) for how in ("graceful", "crash", "exited")
         },
         "max_event_lag_seconds": round(max(record.lag_seconds, default=0.0), 2),
+        "gate_wait_seconds": round(record.gate_wait_seconds, 1),
         "socket_files_removed": record.sockets_removed,
         "global_steps_recorded": len(history),
         "last_global_step": steps[-1] if steps else None,

@@ -216,6 +216,17 @@ def trainer_hosts(names: Sequence[str], delay_ms: float, offset: int = 0) -> Lis
     ]
 
 
+def peer_environment(args) -> Dict[str, str]:
+    """Extra environment of every peer: the lean allocator settings, and the group-size trial's cap (a
+    sitecustomize on the peers' path sets hivemind's averagers' ``target_group_size``; the config has no key)."""
+    environment = dict(LEAN_ENVIRONMENT) if args.lean else {}
+    if args.target_group_size:
+        trial = str(ROOT / "scripts/experiments/group_size_trial")
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [trial, os.environ.get("PYTHONPATH")]))
+        environment["DEDLOC_TARGET_GROUP_SIZE"] = str(args.target_group_size)
+    return environment
+
+
 @contextlib.contextmanager
 def emulated_swarm(args, run_dir: Path, hosts: List[HostSpec], overrides: Sequence[str]):
     """A LocalSwarm whose peers run on the hosts (or on loopback with --loopback); everything stops on exit."""
@@ -230,7 +241,7 @@ def emulated_swarm(args, run_dir: Path, hosts: List[HostSpec], overrides: Sequen
                 [*BASE_OVERRIDES, *overrides],
                 command_prefix=network.command_prefix_for if network is not None else None,
                 host_overrides=network.peer_overrides if network is not None else None,
-                environment=LEAN_ENVIRONMENT if args.lean else None,
+                environment=peer_environment(args),
             )
         )
         yield swarm, network
@@ -297,6 +308,8 @@ def run_scale(args, count: int, stop: StopFlag) -> dict:
         "links": "loopback" if args.loopback else f"cycling {UPLOAD_CYCLE_MBIT} Mbit/s, +{args.delay_ms:g} ms one way",
         "target_batch_size": args.target_batch_size,
         "lean_environment": args.lean,
+        "target_group_size": args.target_group_size,
+        "overrides": list(args.overrides),
     }
     guard = MemoryGuard(args)
     available_before = psutil.virtual_memory().available / 2**20
@@ -611,6 +624,14 @@ def peer_ids(run_dir: Path, names: Sequence[str]) -> Dict[str, str]:
     return ids
 
 
+def newcomers_in_a_step(run_dir: Path, newcomers: Sequence[str]) -> bool:
+    """Every newcomer that contributed a sample is named in some global step of the monitor's history."""
+    contributed = [name for name in newcomers if first_contribution_at(run_dir / name) is not None]
+    ids = peer_ids(run_dir, contributed)
+    seen = {ids.get(peer) for entry in HistoryWriter(run_dir / "monitor").read() for peer in entry["contributions"]}
+    return all(name in seen for name in contributed)
+
+
 def step_rate(history: List[dict], start: float, end: float) -> Optional[float]:
     """Global steps per minute the monitor recorded in [start, end)."""
     if end - start < 1:
@@ -664,7 +685,7 @@ def storm_main(args, stop: StopFlag) -> None:
             if time.monotonic() > deadline or guard.check(swarm, with_pss=False):
                 raise UserError(f"only {len(joined)} of {len(donors)} donors contributed within --join-timeout")
             logger.info(f"donors: {len(joined)}/{len(donors)} contributed")
-            stop.wait(5)
+            stop.wait(2)
         serving = ["monitor", *donors]
 
         def sent_bytes() -> Dict[str, int]:
@@ -696,11 +717,15 @@ def storm_main(args, stop: StopFlag) -> None:
                 f"storm +{time.time() - storm_start:.0f} s: {len(newcomers) - len(waiting)}/{len(newcomers)} "
                 f"newcomers contributed, global step {history[-1]['step'] if history else -1}, load {load_average()}"
             )
-            stop.wait(5)
+            stop.wait(2)
         storm_end, sent_at_end = time.time(), sent_bytes()
         memory = {name: group_memory_mib(peer.process.pid) for name, peer in swarm.peers.items() if peer.alive()}
-        while not stop.is_set() and time.time() < storm_end + args.after_seconds:
-            stop.wait(5)
+        # the after window lasts --after-seconds and until every newcomer that contributed is in a global step
+        # (the step its first samples went into), --join-timeout at most
+        while not stop.is_set() and time.time() < storm_end + args.after_seconds + args.join_timeout:
+            if time.time() >= storm_end + args.after_seconds and newcomers_in_a_step(run_dir, newcomers):
+                break
+            stop.wait(min(2.0, max(0.1, storm_end + args.after_seconds - time.time())))
         after_end = time.time()
         result["load_average_at_end"] = load_average()
         trainers = [*donors, *newcomers]
@@ -853,6 +878,12 @@ def parse_arguments() -> argparse.Namespace:
         default=True,
         help="peers run with " + " ".join(f"{k}={v}" for k, v in LEAN_ENVIRONMENT.items()) + " (less memory)",
     )
+    common.add_argument(
+        "--target-group-size",
+        type=int,
+        default=None,
+        help="hivemind's target_group_size for every peer's averagers (a benchmark trial; the config has no key)",
+    )
     common.add_argument("overrides", nargs="*", help="config overrides for every peer (key=value)")
     scale = sub.add_parser("scale", parents=[common], help="swarms of N trainers, one after another")
     scale.add_argument("--peers", type=int, nargs="+", default=[4, 8, 16, 32], help="the swarm sizes N")
@@ -866,7 +897,12 @@ def parse_arguments() -> argparse.Namespace:
     storm.add_argument("--newcomers", type=int, default=10, help="trainers that join during the storm")
     storm.add_argument("--storm-seconds", type=float, default=5.0, help="the newcomers start within this")
     storm.add_argument("--before-seconds", type=float, default=60.0, help="the donors' baseline window")
-    storm.add_argument("--after-seconds", type=float, default=30.0, help="training on after the last newcomer joined")
+    storm.add_argument(
+        "--after-seconds",
+        type=float,
+        default=30.0,
+        help="training on after the last newcomer joined (and until every newcomer is in a global step)",
+    )
     storm.add_argument("--load-state-deadline", type=float, default=300.0, help="collaboration.load_state_deadline")
     storm.add_argument(
         "--donor-upload-mbit", type=float, default=None, help="every donor's upload cap instead of the paper's mix"

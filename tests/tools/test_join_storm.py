@@ -1,6 +1,7 @@
-"""A join storm in small: 4 newcomers start within 3 s into a running swarm of 3 trainers (loopback, tiny ALBERT).
-Every newcomer loads the swarm's state and contributes, no download fails or runs past the deadline, the donors keep
-stepping through the storm, and nothing is left running."""
+"""A join storm in small: 3 newcomers start within 3 s into a running swarm of 2 trainers (loopback, tiny ALBERT):
+more newcomers than donors, so donors serve several states at once. Every newcomer loads the swarm's state and
+contributes, no download fails or runs past the deadline, the donors keep stepping through the storm, and nothing is
+left running. The run waits for events (donors stepping, newcomers in a global step), not for fixed windows."""
 
 import json
 
@@ -10,7 +11,7 @@ from tests.helpers import assert_no_processes_left, run_script
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(360)
 def test_newcomers_arriving_at_once_all_load_the_state_and_contribute(tmp_path):
     run_dir, results = tmp_path / "run", tmp_path / "results"
     result = run_script(
@@ -18,15 +19,15 @@ def test_newcomers_arriving_at_once_all_load_the_state_and_contribute(tmp_path):
         "storm",
         "--loopback",
         "--donors",
-        "3",
+        "2",
         "--newcomers",
-        "4",
+        "3",
         "--storm-seconds",
         "3",
         "--before-seconds",
-        "20",
+        "8",
         "--after-seconds",
-        "10",
+        "0",
         "--target-batch-size",
         "128",
         "--load-state-deadline",
@@ -37,13 +38,13 @@ def test_newcomers_arriving_at_once_all_load_the_state_and_contribute(tmp_path):
         str(run_dir),
         "--results",
         str(results),
-        timeout=570,
+        timeout=330,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     storm = json.loads((results / "storm.json").read_text())
     assert storm["aborted"] is None
     assert storm["newcomers_started_within_seconds"] <= 3.5
-    assert storm["newcomers_contributed"] == 4, storm["newcomer_details"]
+    assert storm["newcomers_contributed"] == 3, storm["newcomer_details"]
     for newcomer in storm["newcomer_details"]:
         assert newcomer["loaded_state"], f"{newcomer['name']} never loaded the swarm's state"
         assert newcomer["global_steps_contributed"] > 0, f"{newcomer['name']} is in no global step"

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from common.swarm import LocalSwarm
-from common.tools.participation import ExitKind, ParticipantKind, PeerSession, Session, compress_trace
+from common.tools.participation import ExitKind, ParticipantKind, PeerSession, ReplayAction, Session, compress_trace
 from common.tools.replay import ReplayDriver, concurrency_reached, utilisation_from_history, write_outputs
 from tests.helpers import ROOT, read_jsonl
 
@@ -17,7 +18,7 @@ TINY = str(ROOT / "configs/albert/tiny.yaml")
 
 
 def session(participant: str, start: float, end: float, exit_kind: ExitKind) -> Session:
-    # one trace hour = one replay second here (the schedule below spans 220 "hours" compressed to 220 s)
+    # one trace hour = one replay second here; gates hold each event until the swarm got where the test needs it
     return Session(participant, start, end, ParticipantKind.organiser, exit_kind, "T4", 1.0)
 
 
@@ -49,14 +50,14 @@ def test_utilisation_uses_each_peers_last_totals():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(300)
 def test_short_replay_keeps_training_through_leaves_crashes_and_late_joins(tmp_path, tiny_overrides):
     trace = [
-        session("alice", 0, 140, ExitKind.graceful),
-        session("bob", 0, 75, ExitKind.crash),
-        session("carol", 70, 220, ExitKind.graceful),  # joins late: loads the swarm's state from a peer
+        session("alice", 0, 30, ExitKind.graceful),
+        session("bob", 0, 10, ExitKind.crash),
+        session("carol", 5, 40, ExitKind.graceful),  # joins late: loads the swarm's state from a peer
     ]
-    schedule = compress_trace(trace, max_concurrent=3, duration_seconds=220, min_session_seconds=20)
+    schedule = compress_trace(trace, max_concurrent=3, duration_seconds=40, min_session_seconds=1)
     assert schedule.sessions_replayed == 3
     overrides = [
         *tiny_overrides,
@@ -66,9 +67,32 @@ def test_short_replay_keeps_training_through_leaves_crashes_and_late_joins(tmp_p
         "monitor.checkpoint_every_steps=2",
     ]
     run_dir = tmp_path / "run"
+    peer_of = {event.participant: event.peer_name for event in schedule.events}
+    deadline = time.monotonic() + 200
+
+    def steps_of(participant: str) -> list:
+        path = run_dir / peer_of[participant] / "steps.jsonl"
+        return read_jsonl(path) if path.exists() else []
+
+    def gate(event) -> bool:
+        """Each event waits for what the checks below need to have happened before it, however slow the machine."""
+        assert time.monotonic() < deadline, f"the replay waited 200 s to play {event}"
+        history = read_jsonl(run_dir / "monitor/history.jsonl") if (run_dir / "monitor/history.jsonl").exists() else []
+        if event.action == ReplayAction.start and event.participant == "carol":  # a state worth loading exists
+            return bool(history)
+        if event.action == ReplayAction.stop and event.participant == "alice":  # carol took part; alice outlived bob
+            bob_end = next(s.end_time for s in driver.record.sessions if s.participant == "bob")
+            return bool(steps_of("carol")) and any(entry["time"] > bob_end for entry in steps_of("alice"))
+        if event.action == ReplayAction.stop and event.participant == "carol":  # carol stepped alone after alice
+            alice_done = not swarm.peers[peer_of["alice"]].alive()
+            alice_last = max((entry["step"] for entry in steps_of("alice")), default=0)
+            return alice_done and any(entry["step"] > alice_last for entry in history)
+        return True
+
     with LocalSwarm(TINY, run_dir, overrides) as swarm:
-        record = ReplayDriver(swarm, schedule, memory_every_seconds=5.0).run()
-    summary = write_outputs(record, schedule, run_dir, tmp_path / "results", memory_warmup_seconds=60)
+        driver = ReplayDriver(swarm, schedule, memory_every_seconds=5.0, gate=gate)
+        record = driver.run()
+    summary = write_outputs(record, schedule, run_dir, tmp_path / "results", memory_warmup_seconds=20)
 
     assert not processes_mentioning(tmp_path), "peers outlived the replay"
     name_of = {s.participant: s.peer_name for s in record.sessions}
