@@ -37,7 +37,7 @@ from common.metrics import (
     metrics_key,
     records_to_publish,
 )
-from common.precision import needs_loss_scaling
+from common.precision import Precision
 from common.task import Task
 
 logger = logging.getLogger(__name__)
@@ -142,23 +142,26 @@ def load_baseline_state(model, optimizer, scheduler, grad_scaler, state: dict) -
 
 
 class SingleProcessBackend(TrainingBackend):
-    """Plain PyTorch: accumulate sample-weighted gradients until ``target_batch_size``, then step.
+    """Plain PyTorch: accumulate sample-weighted gradients until ``collab.target_batch_size``, then step.
 
-    ``delayed_updates``: apply each global step's gradient one global step late, as a ``dpu`` swarm does (its
+    ``collab.semantics=dpu``: apply each global step's gradient one global step late, as a ``dpu`` swarm does (its
     peers compute step k's gradients while step k-1 is averaged and applied in the background). One process with
     the same staleness is the reference that tells the algorithm's cost from the swarm's."""
 
     def __init__(
         self,
         task: Task,
-        target_batch_size: int,
+        collab: CollaborationConfig,
+        precision: Precision = Precision.fp32,
         history_dir: Optional[Path] = None,
-        precision: str = "fp32",
-        delayed_updates: bool = False,
     ):
-        self.task, self.target_batch_size = task, target_batch_size
+        """``precision``: the run context's (``common.context.RunContext``); fp16 gives this backend torch's
+        loss scaler."""
+        # a replay (tests/helpers.py) sets it per step to the samples the swarm's step held
+        self.task, self.target_batch_size = task, collab.target_batch_size
+        delayed_updates = collab.semantics == Semantics.dpu
         device = next(task.model.parameters()).device
-        self.grad_scaler = torch.amp.GradScaler(device.type) if needs_loss_scaling(precision) else None
+        self.grad_scaler = torch.amp.GradScaler(device.type) if precision.loss_scaling else None
         if delayed_updates and self.grad_scaler is not None:
             # a held-back gradient would be unscaled with a loss scale chosen after it was computed
             raise ConfigError(

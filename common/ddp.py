@@ -23,34 +23,38 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 from common.backends import TrainingBackend, load_baseline_state
-from common.config import RunConfig
+from common.config import CollaborationConfig, TrainingConfig
+from common.context import RunContext
 from common.errors import ConfigError
 from common.metrics import HistoryWriter, StepRecord, aggregate_step
+from common.precision import Precision
 from common.task import Task
 
 logger = logging.getLogger(__name__)
 
 
 class DDPBackend(TrainingBackend):
-    def __init__(self, task: Task, config: RunConfig, precision: str):
-        """``precision``: resolved (common.precision.resolve_precision): fp32, fp16 or bf16."""
+    def __init__(self, task: Task, training: TrainingConfig, collab: CollaborationConfig, context: RunContext):
+        """``training.local_batch_size`` and ``collab.target_batch_size`` set the accumulation; ``context``: the
+        device and precision (accelerate's scaler for fp16)."""
+        precision = context.precision
         self.accelerator = Accelerator(
-            cpu=not torch.cuda.is_available(),
-            mixed_precision={"fp32": "no", "fp16": "fp16", "bf16": "bf16"}[precision],
+            cpu=context.device.type != "cuda",
+            mixed_precision={Precision.fp32: "no", Precision.fp16: "fp16", Precision.bf16: "bf16"}[precision],
         )
-        if precision == "fp16" and self.accelerator.scaler is None:
+        if precision.loss_scaling and self.accelerator.scaler is None:
             # accelerate creates no GradScaler on a CPU (it treats fp16 there as "no"); debug.fp16_on_cpu runs the
             # same accelerate code path with torch's CPU scaler, set before the optimizer is prepared
             self.accelerator.scaler = torch.amp.GradScaler("cpu")
         self.grad_scaler = self.accelerator.scaler
         self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
-        per_step = config.training.local_batch_size * self.world_size
-        if config.collaboration.target_batch_size % per_step:
+        per_step = training.local_batch_size * self.world_size
+        if collab.target_batch_size % per_step:
             raise ConfigError(
-                f"collaboration.target_batch_size ({config.collaboration.target_batch_size}) must be a multiple of "
-                f"training.local_batch_size x workers ({config.training.local_batch_size} x {self.world_size})"
+                f"collaboration.target_batch_size ({collab.target_batch_size}) must be a multiple of "
+                f"training.local_batch_size x workers ({training.local_batch_size} x {self.world_size})"
             )
-        self.accumulation_steps = config.collaboration.target_batch_size // per_step
+        self.accumulation_steps = collab.target_batch_size // per_step
         self.task = task
         self.model = self.accelerator.prepare_model(task.model)
         optimizer = task.make_optimizer(task.optimizer_param_groups())
@@ -61,10 +65,10 @@ class DDPBackend(TrainingBackend):
         self.optimizer = self.accelerator.prepare_optimizer(optimizer)
         self.micro_batches_done = 0
         self._global_step = 0
-        self.history = HistoryWriter(Path(config.training.output_dir)) if self.rank == 0 else None
+        self.history = HistoryWriter(Path(training.output_dir)) if self.rank == 0 else None
         logger.info(
             f"DDP worker {self.rank}/{self.world_size}: {self.accumulation_steps} micro-batches of "
-            f"{config.training.local_batch_size} per step, global batch {config.collaboration.target_batch_size}"
+            f"{training.local_batch_size} per step, global batch {collab.target_batch_size}"
         )
 
     @property

@@ -349,21 +349,29 @@ def make_collaborative_optimizer(
     auxiliary: bool = False,
     uses_grad_scaler: bool = False,
     stop_requested: Optional[Callable[[], bool]] = None,
+    *,
+    run_id: Optional[str] = None,
+    bandwidth: Optional[float] = None,
 ) -> hivemind.Optimizer:
     """The task's optimizer wrapped in hivemind.Optimizer; ``auxiliary`` peers only help average.
     ``uses_grad_scaler``: the trainer steps it with a ``hivemind.GradScaler`` (fp16). Its state downloads give up
-    after ``collab.load_state_deadline`` seconds; ``stop_requested`` (the stop flag) cuts their retries short."""
+    after ``collab.load_state_deadline`` seconds; ``stop_requested`` (the stop flag) cuts their retries short.
+    ``run_id``: the prefix of the averagers' DHT keys, ``collab.run_id`` unless a moderated run tags it with its
+    secret (``common.auth.averaging_run_id``); the run's records keep ``collab.run_id``. ``bandwidth``: the Mbit/s
+    declared to the load balancer when measured (``common.peer.link_bandwidth``), else ``collab.bandwidth``."""
+    run_id = run_id if run_id is not None else collab.run_id
+    bandwidth = bandwidth if bandwidth is not None else collab.bandwidth
     flags = SEMANTICS[collab.semantics]
     diloco = collab.semantics == Semantics.diloco
     compression = make_compression(collab.compression)
     # the state is prefilled (prefill_optimizer_state), so hivemind's own virtual zero-gradient step and its log line
     # must not run
-    state_averager_opts = {"initialize_optimizer": False, "bandwidth": collab.bandwidth}
+    state_averager_opts = {"initialize_optimizer": False, "bandwidth": bandwidth}
     # hivemind 1.1.12 hands averager_opts to the state averager only: the declared bandwidth reaches the gradient
     # averager, whose rounds it load-balances, through the factory.
     grad_averager_factory = None  # local updates average parameters only: hivemind makes no gradient averager
     if not flags.use_local_updates:
-        grad_averager_factory = functools.partial(GradientAverager, bandwidth=collab.bandwidth)
+        grad_averager_factory = functools.partial(GradientAverager, bandwidth=bandwidth)
     require_installed()  # start_dht installed the process-wide patches, before the averagers are forked
     optimizer_class, diloco_options = hivemind.Optimizer, {}
     if diloco:
@@ -372,11 +380,11 @@ def make_collaborative_optimizer(
             inner_steps=collab.inner_steps,
             outer_lr=collab.outer_lr,
             outer_momentum=collab.outer_momentum,
-            bandwidth=collab.bandwidth,
+            bandwidth=bandwidth,
         )
     optimizer = optimizer_class(
         dht=dht,
-        run_id=collab.run_id,
+        run_id=run_id,
         target_batch_size=collab.target_batch_size,
         batch_size_per_step=None if auxiliary else local_batch_size,
         params=task.optimizer_param_groups(),

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import hivemind
-import torch
 import yaml
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
@@ -153,13 +152,6 @@ def link_bandwidth(dht: hivemind.DHT, config: RunConfig) -> Optional[float]:
         logger.warning(f"bandwidth measurement failed ({type(error).__name__}: {error}); using the declared value")
         measurement = None
     return bandwidth_for_averager(collab.bandwidth, measurement)
-
-
-def device_for(config: RunConfig) -> torch.device:
-    wanted = config.training.device
-    if wanted == "auto":
-        wanted = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(wanted)
 
 
 def start_peer_dht(

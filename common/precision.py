@@ -1,4 +1,5 @@
-"""Mixed precision, decided once per process: the autocast dtype, and whether gradients need a loss scaler.
+"""Mixed precision, decided once per process (``common.context.RunContext``): the autocast dtype, and whether
+gradients need a loss scaler.
 
 * ``fp32``: no autocast, no scaler.
 * ``bf16``: autocast to bfloat16. bfloat16 keeps float32's 8-bit exponent, so gradients underflow and overflow
@@ -21,6 +22,7 @@ Where an fp16 step is skipped depends on the backend (each follows its library's
 
 from __future__ import annotations
 
+import enum
 import logging
 
 import torch
@@ -43,7 +45,25 @@ def check_device(device: torch.device) -> None:
         raise ConfigError(f"device {device} does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
 
 
-def resolve_precision(requested: str, device: torch.device, fp16_on_cpu: bool = False) -> str:
+class Precision(enum.StrEnum):
+    """A resolved precision (never ``auto``), with what follows from it: the autocast dtype and the scaler policy."""
+
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+    @property
+    def loss_scaling(self) -> bool:
+        """The scaler policy: fp16 gradients need dynamic loss scaling (each backend uses its library's scaler)."""
+        return self is Precision.fp16
+
+    def autocast(self, device: torch.device):
+        """The forward pass's autocast context (a disabled one for fp32)."""
+        dtype = {Precision.fp16: torch.float16, Precision.bf16: torch.bfloat16}.get(self)
+        return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def resolve_precision(requested: str, device: torch.device, fp16_on_cpu: bool = False) -> Precision:
     """``requested`` (a config value) -> fp32, fp16 or bf16 for this device; fp16 without a GPU, bf16 on a GPU
     without bfloat16 and a CUDA device that is not there are errors."""
     check_device(device)
@@ -58,20 +78,10 @@ def resolve_precision(requested: str, device: torch.device, fp16_on_cpu: bool = 
         else:
             chosen = "fp32"
         logger.info(f"training.precision=auto: {chosen} on {device.type}")
-        return chosen
+        return Precision(chosen)
     if requested == "fp16" and device.type != "cuda" and not fp16_on_cpu:
         raise ConfigError(
             f"training.precision=fp16 needs a CUDA GPU and this run uses {device.type}: "
             f"set training.precision=auto (fp32 here) or fp32"
         )
-    return requested
-
-
-def autocast(device: torch.device, precision: str):
-    """The forward pass's autocast context (a disabled one for fp32)."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-
-def needs_loss_scaling(precision: str) -> bool:
-    return precision == "fp16"
+    return Precision(requested)

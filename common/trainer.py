@@ -20,9 +20,10 @@ import torch
 from common import startup
 from common.backends import TrainingBackend
 from common.checkpoints import save_checkpoint
+from common.config import DebugConfig, TrainingConfig
+from common.context import RunContext
 from common.lifecycle import StopFlag
 from common.metrics import StepRecord
-from common.precision import autocast
 from common.task import SAMPLE_IDS, Task
 
 logger = logging.getLogger(__name__)
@@ -133,45 +134,34 @@ class Trainer:
         self,
         task: Task,
         backend: TrainingBackend,
+        training: TrainingConfig,
+        context: RunContext,
         *,
         peer_name: str,
         stream_seed: int,
-        max_global_steps: int,
-        max_wall_seconds: Optional[float],
         output_dir: Path,
-        device: torch.device,
-        precision: str = "fp32",
-        log_every_seconds: float = 10.0,
-        record_sample_ids: bool = False,
-        skip_nonfinite: bool = True,
-        inject_nonfinite_every: int = 0,
-        inject_overflow_at_step: int = -1,
-        dataloader_workers: int = 0,
         checkpoint_dir: Optional[Path] = None,
-        checkpoint_every_steps: int = 0,
-        keep_checkpoints: int = 3,
+        debug: Optional[DebugConfig] = None,
         stop: Optional[StopFlag] = None,
         data_wait_warning_share: Optional[float] = None,
     ):
-        """``precision``: resolved (fp32, fp16 or bf16); the backend holds fp16's loss scaler.
-        ``checkpoint_every_steps``: baselines save ``backend.checkpoint_state()`` to ``checkpoint_dir``.
-        ``data_wait_warning_share``: warn when the loop waits for batches longer than this share of its time; None:
-        ``DATA_WAIT_WARNING_SHARE`` on an accelerator, never on a CPU (there batches and the model share the cores,
-        so more loader workers would only move the work)."""
-        self.task, self.backend, self.peer_name = task, backend, peer_name
-        self.stream_seed, self.max_global_steps, self.max_wall_seconds = (
-            stream_seed,
-            max_global_steps,
-            max_wall_seconds,
-        )
-        self.output_dir, self.device, self.precision = output_dir, device, precision
-        self.log_every_seconds, self.record_sample_ids = log_every_seconds, record_sample_ids
-        self.skip_nonfinite, self.stop = skip_nonfinite, stop or StopFlag()
-        self.inject_nonfinite_every, self.inject_overflow_at_step = inject_nonfinite_every, inject_overflow_at_step
-        self.dataloader_workers = dataloader_workers
-        self.checkpoint_dir, self.checkpoint_every_steps = checkpoint_dir, checkpoint_every_steps
-        self.keep_checkpoints = keep_checkpoints
-        if data_wait_warning_share is None and device.type != "cpu":
+        """``training``: the loop's limits, logging, non-finite policy, loader workers and baseline checkpoints
+        (``training.checkpoint_every_steps``: ``backend.checkpoint_state()`` saved to ``checkpoint_dir``);
+        ``context``: this process's device and precision (the backend holds fp16's loss scaler). ``output_dir``
+        and ``peer_name`` are this process's (a DDP worker's own), not necessarily ``training.output_dir``.
+        ``debug``: fault injection and sample-id logging (tests). ``data_wait_warning_share``: warn when the loop
+        waits for batches longer than this share of its time; None: ``DATA_WAIT_WARNING_SHARE`` on an accelerator,
+        never on a CPU (there batches and the model share the cores, so more loader workers would only move the
+        work)."""
+        debug = debug if debug is not None else DebugConfig()
+        self.task, self.backend, self.training, self.context = task, backend, training, context
+        self.peer_name, self.stream_seed, self.output_dir = peer_name, stream_seed, output_dir
+        self.checkpoint_dir, self.stop = checkpoint_dir, stop or StopFlag()
+        self.device = context.device
+        self.max_global_steps = training.max_global_steps
+        self.record_sample_ids, self.inject_nonfinite_every = debug.record_sample_ids, debug.inject_nonfinite_every
+        self.inject_overflow_at_step = debug.inject_overflow_at_step  # set to -1 once injected
+        if data_wait_warning_share is None and self.device.type != "cpu":
             data_wait_warning_share = DATA_WAIT_WARNING_SHARE
         self.data_wait_warning_share = data_wait_warning_share
         self.data_wait_seconds = 0.0  # since the last progress line
@@ -191,10 +181,11 @@ class Trainer:
         with self.steps_log.open("a") as log:
             log.write(json.dumps(entry) + "\n")
         self.task.on_global_step(self.task.model, finished_step + 1)
-        if self.checkpoint_every_steps and (finished_step + 1) % self.checkpoint_every_steps == 0:
+        every = self.training.checkpoint_every_steps
+        if every and (finished_step + 1) % every == 0:
             state = self.backend.checkpoint_state()
             if state is not None and self.checkpoint_dir is not None:
-                save_checkpoint(self.checkpoint_dir, finished_step + 1, state, self.keep_checkpoints)
+                save_checkpoint(self.checkpoint_dir, finished_step + 1, state, self.training.keep_checkpoints)
 
     def _inject_overflow(self) -> None:
         """Fault injection (tests): an infinite gradient, as an fp16 backward that overflowed leaves."""
@@ -213,7 +204,9 @@ class Trainer:
         last_log = started
         stopped_by = "max_global_steps"
         accumulator = StepAccumulator(step=self.backend.global_step)
-        batches = self.task.batch_stream(self.stream_seed, self.dataloader_workers, self.device.type == "cuda")
+        batches = self.task.batch_stream(
+            self.stream_seed, self.training.dataloader_workers, self.device.type == "cuda"
+        )
         micro_batches_seen = 0
         while True:
             if self.backend.global_step >= self.max_global_steps:
@@ -221,7 +214,8 @@ class Trainer:
             if self.stop.is_set():
                 stopped_by = f"signal {self.stop.signal_name}" if self.stop.signal_name else "stop requested"
                 break
-            if self.max_wall_seconds is not None and time.time() - started > self.max_wall_seconds:
+            max_wall_seconds = self.training.max_wall_seconds
+            if max_wall_seconds is not None and time.time() - started > max_wall_seconds:
                 stopped_by = "max_wall_seconds"
                 break
             if accumulator.step != self.backend.global_step:  # state was reloaded from peers: start afresh
@@ -235,12 +229,12 @@ class Trainer:
             batch = {name: value.to(self.device, non_blocking=True) for name, value in batch.items()}
             micro_batches_seen += 1
             with self.backend.micro_step_context():
-                with autocast(self.device, self.precision):
+                with self.context.precision.autocast(self.device):
                     output = self.task.forward(model, batch)
                 if self.inject_nonfinite_every and micro_batches_seen % self.inject_nonfinite_every == 0:
                     output.loss = output.loss * float("nan")  # fault injection (tests only)
                 loss_value = float(output.loss.detach())
-                finite = math.isfinite(loss_value) or not self.skip_nonfinite
+                finite = math.isfinite(loss_value) or not self.training.skip_nonfinite
                 if finite:
                     self.backend.backward(output.loss)
                     if self.inject_overflow_at_step == self.backend.global_step:
@@ -255,7 +249,7 @@ class Trainer:
             self.task.after_backward(self.task.model, self.backend.global_step)
             totals.gradient_seconds += time.perf_counter() - tick
             scaler_judges = self.backend.grad_scaler is not None  # it skips (and lowers the scale) by itself
-            if self.skip_nonfinite and not scaler_judges and not _all_finite(self.task.model.parameters()):
+            if self.training.skip_nonfinite and not scaler_judges and not _all_finite(self.task.model.parameters()):
                 skipped += 1
                 logger.warning(f"non-finite gradients at step {self.backend.global_step}: micro-batch skipped")
                 self.backend.zero_grad()
@@ -283,7 +277,7 @@ class Trainer:
                     self.backend.recover_from_nonfinite_parameters()
 
             now = time.time()
-            if now - last_log >= self.log_every_seconds:
+            if now - last_log >= self.training.log_every_seconds:
                 self._warn_if_waiting_on_data(now - last_log)
                 last_log = now
                 self._log_progress(started, totals.computed)
@@ -315,7 +309,7 @@ class Trainer:
         if self.data_wait_warning_share is not None and share > self.data_wait_warning_share:
             logger.warning(
                 f"the loop waited for input batches {share:.0%} of the last {window_seconds:.0f} s: raise "
-                f"training.dataloader_workers (now {self.dataloader_workers}) if this machine has idle cores"
+                f"training.dataloader_workers (now {self.training.dataloader_workers}) if this machine has idle cores"
             )
 
     def _log_progress(self, started: float, samples_total: int) -> None:

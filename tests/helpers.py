@@ -4,6 +4,7 @@ single-process replay of exactly the micro-batches a distributed run logged."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -102,14 +103,16 @@ def replay_single_process(config: RunConfig, records: List[dict], steps: int) ->
 
 
 def _replay(config: RunConfig, records: List[dict], steps: int) -> Dict[str, torch.Tensor]:
-    from common.config import import_task_module
-    from common.precision import autocast, resolve_precision
+    from common.config import Semantics, import_task_module
+    from common.context import RunContext
 
     cpu = torch.device("cpu")
-    precision = resolve_precision(config.training.precision, cpu, config.debug.fp16_on_cpu)
-    torch.manual_seed(config.training.seed)
+    context = RunContext.resolve(config, cpu)
+    precision = context.precision
+    context.seed_parameters()
     task = import_task_module(config.task_module).build_task(config)
-    backend = SingleProcessBackend(task, config.collaboration.target_batch_size)  # gradients arrive unscaled
+    # each step's micro-batches are applied at that step, unscaled below: a plain fp32 sync backend
+    backend = SingleProcessBackend(task, dataclasses.replace(config.collaboration, semantics=Semantics.sync))
     for step in range(steps):
         micro_batches = [batch for record in records if record["step"] == step for batch in record["micro_batches"]]
         total = sum(len(batch["ids"]) for batch in micro_batches)
@@ -119,7 +122,7 @@ def _replay(config: RunConfig, records: List[dict], steps: int) -> Dict[str, tor
         backend.target_batch_size = total
         finished = None
         for micro_batch in micro_batches:
-            with autocast(cpu, precision):
+            with precision.autocast(cpu):
                 output = task.forward(task.model, task.dataset.batch(micro_batch["ids"], micro_batch["pass"]))
             scale = micro_batch.get("loss_scale")
             assert (scale is not None) == (precision == "fp16"), "fp16 runs log every micro-batch's loss scale"

@@ -6,7 +6,6 @@ matchmaking as soon as the swarm's next step is near and does not miss rounds.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -89,10 +88,14 @@ def run_auxiliary(
     try:
         torch.manual_seed(config.training.seed)
         task = import_task_module(config.task_module).build_task(config, with_data=False)
-        collab = dataclasses.replace(  # a moderated run's averaging prefixes carry its run secret
-            config.collaboration, run_id=averaging_run_id(config.collaboration.run_id, authorizer)
+        optimizer = make_collaborative_optimizer(
+            dht,
+            task,
+            config.collaboration,
+            None,
+            auxiliary=True,
+            run_id=averaging_run_id(config.collaboration.run_id, authorizer),  # tagged in a moderated run
         )
-        optimizer = make_collaborative_optimizer(dht, task, collab, None, auxiliary=True)
         started, steps_seen, last_epoch = time.time(), 0, optimizer.local_epoch
         logger.info("auxiliary peer running: assisting in averaging")
         entry_addresses, next_announcement = visible_multiaddrs(dht), 0.0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -22,12 +21,11 @@ from common.backends import (
     require_same_model,
 )
 from common.checkpoints import CHECKPOINT_DIR, resume_from_checkpoint
-from common.config import Backend, RunConfig, Semantics, import_task_module
+from common.config import Backend, RunConfig, import_task_module
+from common.context import RunContext
 from common.lifecycle import StopFlag
 from common.optimizer import make_collaborative_optimizer
-from common.peer import device_for, link_bandwidth, start_peer_dht
-from common.precision import needs_loss_scaling, resolve_precision
-from common.seeding import stable_seed
+from common.peer import link_bandwidth, start_peer_dht
 from common.task import EXPORT_DIR, ExportFacts
 from common.trainer import Trainer, TrainingSummary
 
@@ -39,43 +37,35 @@ SUMMARY_FILE = "summary.json"
 
 def build_backend(
     config: RunConfig,
+    context: RunContext,
     task,
     peer_name: str,
-    output_dir: Path,
     config_path: str,
     stop: StopFlag,
     authorizer: Optional[AuthorizerBase] = None,
-    precision: str = "fp32",
 ) -> TrainingBackend:
-    """``precision``: resolved (fp32, fp16 or bf16); fp16 gives the backend its loss scaler."""
+    """The backend ``training.backend`` names, each given the collaboration section (the global batch and the
+    update rule) whole and the run context (fp16 gives it its library's loss scaler)."""
+    collab = config.collaboration
     if config.training.backend == Backend.single:
-        return SingleProcessBackend(
-            task,
-            config.collaboration.target_batch_size,
-            history_dir=output_dir,
-            precision=precision,
-            delayed_updates=config.collaboration.semantics == Semantics.dpu,
-        )
+        return SingleProcessBackend(task, collab, context.precision, history_dir=Path(config.training.output_dir))
     if config.training.backend == Backend.ddp:
         from common.ddp import DDPBackend  # imported lazily: only the baseline needs torch.distributed
 
-        return DDPBackend(task, config, precision)
-    dht = start_peer_dht(config, output_dir, "scripts/train.py", config_path, authorizer, stop)
-    fingerprints = RunFingerprints.of(task, config.collaboration)
+        return DDPBackend(task, config.training, collab, context)
+    dht = start_peer_dht(config, Path(config.training.output_dir), "scripts/train.py", config_path, authorizer, stop)
+    fingerprints = RunFingerprints.of(task, collab)
     try:
-        require_same_model(dht, config.collaboration.run_id, fingerprints, task.input_mismatch_advice)
-        collab = dataclasses.replace(
-            config.collaboration,
-            bandwidth=link_bandwidth(dht, config),
-            run_id=averaging_run_id(config.collaboration.run_id, authorizer),  # tagged in a moderated run
-        )
+        require_same_model(dht, collab.run_id, fingerprints, task.input_mismatch_advice)
         optimizer = make_collaborative_optimizer(
             dht,
             task,
             collab,
             config.training.local_batch_size,
-            uses_grad_scaler=needs_loss_scaling(precision),
+            uses_grad_scaler=context.precision.loss_scaling,
             stop_requested=stop.is_set,
+            run_id=averaging_run_id(collab.run_id, authorizer),  # the averagers' keys: tagged in a moderated run
+            bandwidth=link_bandwidth(dht, config),
         )
     except BaseException:
         dht.shutdown()
@@ -84,12 +74,12 @@ def build_backend(
     backend = CollaborativeBackend(
         dht,
         optimizer,
-        config.collaboration,
+        collab,
         peer_name,
         "trainer",
         config.monitor.metrics_expiration,
         fingerprints,
-        grad_scaler=hivemind.GradScaler(device_for(config).type) if needs_loss_scaling(precision) else None,
+        grad_scaler=hivemind.GradScaler(context.device.type) if context.precision.loss_scaling else None,
     )
     try:
         backend.catch_up()
@@ -127,14 +117,13 @@ def run_trainer(
     torch.set_num_threads(config.training.num_threads)
     output_dir = Path(config.training.output_dir)
     task_module = import_task_module(config.task_module)
-    torch.manual_seed(config.training.seed)  # every peer starts from the same initial parameters
-    device = device_for(config)
-    precision = resolve_precision(config.training.precision, device, config.debug.fp16_on_cpu)
+    context = RunContext.resolve(config)  # the one place this process resolves its device, precision and seed
+    context.seed_parameters()
     task = task_module.build_task(config)
     startup.mark("task: model and data")
     startup.write_to(output_dir)
-    task.model.to(device)  # before the backend: optimizers, accumulators and hivemind's copies live beside it
-    backend = build_backend(config, task, peer_name, output_dir, config_path, stop, authorizer, precision)
+    task.model.to(context.device)  # before the backend: optimizers, accumulators and hivemind's copies live beside it
+    backend = build_backend(config, context, task, peer_name, config_path, stop, authorizer)
     checkpoint_dir = output_dir / CHECKPOINT_DIR
     baseline = config.training.backend != Backend.collaborative  # a swarm resumes from its peers or the monitor
     resumed_step = (
@@ -152,22 +141,13 @@ def run_trainer(
         trainer = Trainer(
             task,
             backend,
+            config.training,
+            context,
             peer_name=peer_name,
-            stream_seed=stable_seed(config.training.seed, stream_key),
-            max_global_steps=config.training.max_global_steps,
-            max_wall_seconds=config.training.max_wall_seconds,
+            stream_seed=context.stream_seed(stream_key),
             output_dir=output_dir,
-            device=device,
-            precision=precision,
-            log_every_seconds=config.training.log_every_seconds,
-            record_sample_ids=config.debug.record_sample_ids,
-            skip_nonfinite=config.training.skip_nonfinite,
-            inject_nonfinite_every=config.debug.inject_nonfinite_every,
-            inject_overflow_at_step=config.debug.inject_overflow_at_step,
-            dataloader_workers=config.training.dataloader_workers,
             checkpoint_dir=checkpoint_dir,
-            checkpoint_every_steps=config.training.checkpoint_every_steps,
-            keep_checkpoints=config.training.keep_checkpoints,
+            debug=config.debug,
             stop=stop,
         )
         summary = trainer.run()

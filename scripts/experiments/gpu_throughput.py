@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import gc
 import json
 import logging
@@ -42,11 +43,10 @@ import torch
 
 from common.backends import SingleProcessBackend
 from common.config import import_task_module, load_config
+from common.context import RunContext
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import setup_logging
 from common.metrics import HistoryWriter
-from common.peer import device_for
-from common.precision import autocast, resolve_precision
 from common.report import build_report
 from common.swarm import LocalSwarm
 from common.task import EXPORT_DIR
@@ -186,20 +186,21 @@ def synchronize(device: torch.device) -> None:
 
 
 def seeded_task(config) -> tuple:
-    """The run's task built from torch seed 0 (every loop starts from the same model), its device and precision."""
-    device = device_for(config)
-    precision = resolve_precision(config.training.precision, device, config.debug.fp16_on_cpu)
+    """The run's task built from torch seed 0 (every loop starts from the same model), and the run context (device
+    and precision)."""
+    context = RunContext.resolve(config)
     torch.manual_seed(0)
-    return import_task_module(config.task_module).build_task(config), device, precision
+    return import_task_module(config.task_module).build_task(config), context
 
 
 def plain_loop(config, seconds: float) -> Dict:
     """The baseline: the same model, data stream and optimizer, with nothing of ours around the step; the first
     optimizer step (allocations, cudnn autotuning) is warm-up and not counted."""
-    task, device, precision = seeded_task(config)
+    task, context = seeded_task(config)
+    device, precision = context.device, context.precision
     model = task.model.to(device).train()
     optimizer = task.make_optimizer(task.optimizer_param_groups())
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.loss_scaling)
     accumulate = config.collaboration.target_batch_size // config.training.local_batch_size
     batches = task.batch_stream(0, config.training.dataloader_workers, device.type == "cuda")
     samples, micro_batches, started, warm = 0, 0, time.perf_counter(), None
@@ -207,7 +208,7 @@ def plain_loop(config, seconds: float) -> Dict:
         if warm is None and time.perf_counter() - started > WARMUP_LIMIT_SECONDS:
             raise TimeoutError(f"no optimizer step within {WARMUP_LIMIT_SECONDS:.0f} s")
         batch = {name: value.to(device, non_blocking=True) for name, value in next(batches).items()}
-        with autocast(device, precision):
+        with precision.autocast(device):
             output = task.forward(model, batch)
         scaler.scale(output.loss / accumulate).backward()
         micro_batches += 1
@@ -244,22 +245,15 @@ def steady_rate(steps_log: Path) -> Optional[float]:
 
 
 def our_single(config, seconds: float, output_dir: Path) -> Dict:
-    task, device, precision = seeded_task(config)
-    task.model.to(device)
-    backend = SingleProcessBackend(task, config.collaboration.target_batch_size, precision=precision)
-    trainer = Trainer(
-        task,
-        backend,
-        peer_name="single",
-        stream_seed=0,
-        max_global_steps=10**9,
-        max_wall_seconds=seconds,
-        output_dir=output_dir,
-        device=device,
-        precision=precision,
-        dataloader_workers=config.training.dataloader_workers,
-        log_every_seconds=max(30.0, seconds),
+    task, context = seeded_task(config)
+    precision = context.precision
+    task.model.to(context.device)
+    backend = SingleProcessBackend(task, config.collaboration, precision)
+    # the loop's limits are this measurement's; the rest (loader workers, non-finite policy) the config's
+    training = dataclasses.replace(
+        config.training, max_global_steps=10**9, max_wall_seconds=seconds, log_every_seconds=max(30.0, seconds)
     )
+    trainer = Trainer(task, backend, training, context, peer_name="single", stream_seed=0, output_dir=output_dir)
     summary = trainer.run()
     return {
         "samples_per_second": summary.samples_per_second,
@@ -320,10 +314,11 @@ def repeated(batch: Dict[str, torch.Tensor], times: int) -> Dict[str, torch.Tens
 def batch_search(config, cap: int, deadline: float) -> Dict:
     """The largest local batch (a multiple of the config's) whose forward, backward and optimizer step fit in the
     device's memory, under the config's precision; samples/s at each size tried."""
-    task, device, precision = seeded_task(config)
+    task, context = seeded_task(config)
+    device, precision = context.device, context.precision
     model = task.model.to(device).train()
     optimizer = task.make_optimizer(task.optimizer_param_groups())
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.loss_scaling)
     base = next(task.batch_stream(0))
     start = int(base["sample_ids"].shape[0])
     rows = []
@@ -339,7 +334,7 @@ def batch_search(config, cap: int, deadline: float) -> Dict:
                 if index == 1:
                     synchronize(device)
                     tick = time.perf_counter()
-                with autocast(device, precision):
+                with precision.autocast(device):
                     output = task.forward(model, batch)
                 scaler.scale(output.loss).backward()
                 scaler.step(optimizer)
@@ -370,7 +365,8 @@ def pipeline_check(config, workers: Sequence[int], seconds: float) -> Dict:
     """SwAV's batch stream alone with each worker count, against forward + backward alone on the device."""
     from input_pipeline_benchmark import model_step_rate, pipeline_rate  # a sibling script: scripts/experiments
 
-    task, device, precision = seeded_task(config)
+    task, context = seeded_task(config)
+    device, precision = context.device, context.precision
     step = model_step_rate(task, device, precision, seconds)
     rates = {}
     for count in workers:

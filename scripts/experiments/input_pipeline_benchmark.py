@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from common.config import load_config
+from common.context import RunContext
 from common.lifecycle import setup_logging
-from common.peer import device_for
-from common.precision import autocast, resolve_precision
+from common.precision import Precision
 from common.task import SAMPLE_IDS
 
 logger = logging.getLogger("input_pipeline_benchmark")
@@ -51,15 +51,15 @@ def pipeline_rate(task, workers: int, seconds: float, pin_memory: bool) -> float
         getattr(stream, "close", lambda: None)()  # stops the worker processes
 
 
-def model_step_rate(task, device: torch.device, precision: str, seconds: float) -> float:
+def model_step_rate(task, device: torch.device, precision: Precision, seconds: float) -> float:
     """Samples/s of forward + backward alone (the optimizer step, once per global batch, is left out)."""
     model = task.model.to(device).train()
     stream = task.batch_stream(0)
     batches = [{name: value.to(device) for name, value in batch.items()} for batch in islice(stream, STEP_BATCHES)]
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.loss_scaling)
 
     def step(batch) -> int:
-        with autocast(device, precision):
+        with precision.autocast(device):
             output = task.forward(model, batch)
         scaler.scale(output.loss).backward()
         model.zero_grad(set_to_none=True)
@@ -89,8 +89,8 @@ def main() -> None:
         config_path, overrides = MODELS[name]
         config = load_config(config_path, [*overrides, "training.backend=single"])
         task_module = __import__(f"{config.task_module}.task", fromlist=["build_task"])
-        device = device_for(config)
-        precision = resolve_precision(config.training.precision, device)
+        context = RunContext.resolve(config)
+        device, precision = context.device, context.precision
         torch.manual_seed(0)
         task = task_module.build_task(config)
         row = {

@@ -3,6 +3,7 @@ the same code paths a GPU run takes, on the tiny configs."""
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import islice
 from pathlib import Path
 
@@ -12,8 +13,9 @@ import torch
 from albert.task import build_task as build_albert
 from common.backends import SingleProcessBackend
 from common.config import load_config
+from common.context import RunContext
 from common.errors import ConfigError
-from common.precision import resolve_precision
+from common.precision import Precision, resolve_precision
 from common.trainer import Trainer
 from swav.data import FASHION_MNIST_DIR
 from swav.task import build_task as build_swav
@@ -47,7 +49,9 @@ def test_train_script_rejects_fp16_on_a_cpu_in_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def train_single(tmp_path: Path, steps: int, overrides=(), **trainer_options) -> tuple:
+def train_single(
+    tmp_path: Path, steps: int, overrides=(), precision: str = "fp32", inject_overflow_at_step: int = -1
+) -> tuple:
     config = load_config(
         TINY_ALBERT,
         [
@@ -61,18 +65,12 @@ def train_single(tmp_path: Path, steps: int, overrides=(), **trainer_options) ->
     )
     torch.manual_seed(0)
     task = build_albert(config)
-    backend = SingleProcessBackend(task, target_batch_size=16, precision=trainer_options.get("precision", "fp32"))
+    context = RunContext(CPU, Precision(precision), seed=0)
+    backend = SingleProcessBackend(task, config.collaboration, context.precision)
+    training = dataclasses.replace(config.training, max_global_steps=steps, max_wall_seconds=120, log_every_seconds=60)
+    debug = dataclasses.replace(config.debug, inject_overflow_at_step=inject_overflow_at_step)
     trainer = Trainer(
-        task,
-        backend,
-        peer_name="single",
-        stream_seed=7,
-        max_global_steps=steps,
-        max_wall_seconds=120,
-        output_dir=tmp_path,
-        device=CPU,
-        log_every_seconds=60,
-        **trainer_options,
+        task, backend, training, context, peer_name="single", stream_seed=7, output_dir=tmp_path, debug=debug
     )
     summary = trainer.run()
     return summary, {name: value.clone() for name, value in task.model.state_dict().items()}

@@ -3,6 +3,7 @@ the global-step queue switch, the schedule, single-process training, linear eval
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -16,8 +17,10 @@ from lightly.loss.swav_loss import sinkhorn
 from PIL import Image
 
 from common.backends import SingleProcessBackend
-from common.config import load_config
+from common.config import CollaborationConfig, TrainingConfig, load_config
+from common.context import RunContext
 from common.errors import ConfigError, DataError
+from common.precision import Precision
 from common.task import ExportFacts
 from common.trainer import Trainer
 from swav.data import FASHION_MNIST_DIR, crop_key, load_fashion_mnist, open_images
@@ -27,6 +30,7 @@ from tests.helpers import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/swav/tiny.yaml")
+CPU_FP32 = RunContext(torch.device("cpu"), Precision.fp32, seed=0)
 PAPER = str(ROOT / "configs/swav/paper.yaml")
 
 pytestmark = pytest.mark.skipif(
@@ -149,7 +153,7 @@ def test_paper_config_builds_resnet50_and_takes_one_step():
     assert task.config.queue_length == 3840
     assert sum(param.numel() for param in model.trunk.parameters()) == 23_508_032  # torchvision ResNet-50 trunk
 
-    backend = SingleProcessBackend(task, target_batch_size=2)
+    backend = SingleProcessBackend(task, CollaborationConfig(target_batch_size=2))
     batch = next(task.batches(stream_seed=0))
     assert batch[crop_key(0)].shape == (2, 3, 224, 224) and batch[crop_key(2)].shape == (2, 3, 96, 96)
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
@@ -277,18 +281,9 @@ def test_single_backend_training_lowers_the_loss(tmp_path):
     )
     torch.manual_seed(0)
     task = build_task(config)
-    backend = SingleProcessBackend(task, target_batch_size=64)
-    trainer = Trainer(
-        task,
-        backend,
-        peer_name="single",
-        stream_seed=0,
-        max_global_steps=14,
-        max_wall_seconds=150,
-        output_dir=tmp_path,
-        device=torch.device("cpu"),
-        log_every_seconds=60,
-    )
+    backend = SingleProcessBackend(task, CollaborationConfig(target_batch_size=64))
+    training = dataclasses.replace(config.training, max_global_steps=14, max_wall_seconds=150, log_every_seconds=60)
+    trainer = Trainer(task, backend, training, CPU_FP32, peer_name="single", stream_seed=0, output_dir=tmp_path)
     summary = trainer.run()
     assert summary.global_steps == 14
     losses = [record["loss"] for record in read_jsonl(tmp_path / "steps.jsonl")]
@@ -302,16 +297,16 @@ def test_trainer_warns_when_the_loop_waits_on_multi_crop(tmp_path, caplog, thres
     """Multi-crop built on the training thread (no loader workers) is time the model waits: above the share it
     tolerates, the progress line comes with one WARNING naming training.dataloader_workers."""
     task = tiny_task("task.queue_length=0")
+    # a progress line (and its data-wait check) after every micro-batch
+    training = TrainingConfig(max_global_steps=3, max_wall_seconds=60, log_every_seconds=1e-9)
     trainer = Trainer(
         task,
-        SingleProcessBackend(task, target_batch_size=16),
+        SingleProcessBackend(task, CollaborationConfig(target_batch_size=16)),
+        training,
+        CPU_FP32,
         peer_name="single",
         stream_seed=0,
-        max_global_steps=3,
-        max_wall_seconds=60,
         output_dir=tmp_path,
-        device=torch.device("cpu"),
-        log_every_seconds=0,
         data_wait_warning_share=threshold,
     )
     with caplog.at_level(logging.WARNING, logger="common.trainer"):
