@@ -27,7 +27,7 @@ import psutil
 import torch
 
 from common.config import RunConfig, import_task_module
-from common.errors import PeerError
+from common.errors import DataError, PeerError
 from common.lifecycle import StopFlag
 from common.metrics import HistoryWriter
 from common.roles.trainer import FINAL_STATE_FILE
@@ -343,7 +343,13 @@ def evaluation_batches(config: RunConfig, count: int) -> tuple:
 
 def evaluate(task, batches: List[dict], state_path: Path) -> Dict[str, float]:
     """Sample-weighted mean loss and metrics of the saved model over the fixed evaluation batches."""
-    task.model.load_state_dict(torch.load(state_path, map_location="cpu"))
+    if not state_path.is_file():
+        raise DataError(f"no final model at {state_path}: that run did not finish (its logs: {state_path.parent})")
+    try:
+        state = torch.load(state_path, map_location="cpu")
+    except Exception as error:  # a truncated or foreign file: unpickling fails in many ways
+        raise DataError(f"cannot read the final model {state_path}: {type(error).__name__}: {error}") from None
+    task.model.load_state_dict(state)
     task.model.eval()
     totals: Dict[str, float] = {}
     samples = 0

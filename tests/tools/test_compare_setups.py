@@ -11,7 +11,16 @@ import pytest
 from omegaconf import OmegaConf
 
 from common.config import Backend, load_config
-from common.tools.comparison import RUN_RECORD, all_setups, finished_run, launch_command, plot_title, recipe
+from common.errors import DataError
+from common.tools.comparison import (
+    RUN_RECORD,
+    all_setups,
+    evaluate,
+    finished_run,
+    launch_command,
+    plot_title,
+    recipe,
+)
 from tests.helpers import PYTHON, ROOT, run_script
 
 PAPER_WORKERS = 8  # the paper's HPC baseline: 8 x V100 with all-reduce
@@ -179,3 +188,13 @@ def test_diloco_setups_carry_their_inner_steps_and_a_run_id_of_their_own(tmp_pat
     assert command[-1] == "collaboration.run_id=compare_diloco_h20"
     sync = launch_command(setups["collab_sync"], "configs/albert/tiny.yaml", [], tmp_path, 4)
     assert sync[-1] == "collaboration.run_id=compare_sync"  # earlier runs of the other setups stay reusable
+
+
+def test_a_missing_or_unreadable_final_model_is_one_line_naming_it(tmp_path):
+    missing = tmp_path / "trainer0" / "final_state.pt"
+    with pytest.raises(DataError, match="no final model at .*trainer0"):
+        evaluate(None, [], missing)
+    missing.parent.mkdir()
+    missing.write_bytes(b"not a checkpoint")
+    with pytest.raises(DataError, match="cannot read the final model"):
+        evaluate(None, [], missing)
