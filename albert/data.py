@@ -3,12 +3,18 @@ token tensors (cached), plus masked-LM corruption that is deterministic per (see
 
 from __future__ import annotations
 
+import collections
+import itertools
+import json
 import logging
 import multiprocessing
 import os
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -28,7 +34,7 @@ logger = logging.getLogger(__name__)
 PUNKT_TRAINING_CHARS = 400_000  # enough text for Punkt to learn abbreviations, a few seconds to train
 
 
-def train_sentence_splitter(documents: Sequence[str]) -> PunktSentenceTokenizer:
+def train_sentence_splitter(documents: Iterable[str]) -> PunktSentenceTokenizer:
     """NLTK's unsupervised Punkt model trained on the corpus itself (no model download needed)."""
     # imported here: nltk takes ~1.5 s to import and only building examples (a cache miss) needs it
     from nltk.tokenize.punkt import PunktSentenceTokenizer, PunktTrainer
@@ -111,53 +117,160 @@ def _pack(tokens_a: List[int], tokens_b: List[int], label: int, max_seq_length: 
 # documents per unit of work: each shard's examples come from its own random stream, so the result does not depend
 # on how many processes build them
 DOCUMENTS_PER_SHARD = 2000
+# the stored arrays (one .npy file each, read memory-mapped) and their types
+EXAMPLE_ARRAYS = {"tokens": np.int32, "offsets": np.int64, "first_segment": np.int16, "sentence_order_label": np.int8}
+COMPLETE_MARKER = "examples.json"  # written last: a folder without it is an interrupted build
+
+Documents = Union[Sequence[str], Callable[[], Iterable[str]]]
 
 
 def build_examples(
-    documents: Sequence[str],
+    documents: Documents,
     tokenizer,
     max_seq_length: int,
     short_seq_probability: float,
     seed: int,
     workers: Optional[int] = None,
-) -> Dict[str, torch.Tensor]:
-    """SOP examples of ``documents``, built by ``workers`` processes (default: every core this process may use)
-    over shards of ``DOCUMENTS_PER_SHARD`` documents.
+    folder: Optional[Path] = None,
+) -> Dict[str, np.ndarray]:
+    """SOP examples of ``documents`` (a sequence, or a function returning a fresh iterator over them: it is read
+    twice, never held whole), built by ``workers`` processes (default: every core this process may use) over
+    shards of ``DOCUMENTS_PER_SHARD`` documents read one after another.
 
     Stored without padding: ``tokens`` holds every example's [CLS] A [SEP] B [SEP] back to back (int32),
     ``offsets`` where each starts, ``first_segment`` the length of its [CLS] A [SEP] part and
-    ``sentence_order_label`` its label; :class:`SopDataset` pads a micro-batch when it serves it. A corpus costs
-    about 4 bytes per token, whatever the share of short documents (a padded tensor of 512-token rows took 24 bytes
-    per position, most of them padding for paragraph-sized documents)."""
-    splitter = train_sentence_splitter(documents)
+    ``sentence_order_label`` its label; :class:`SopDataset` pads a micro-batch when it serves it (about 4 bytes
+    per token). Each worker writes its shard's arrays to disk and the shards are appended to one ``.npy`` file per
+    array in ``folder``, so memory stays bounded by a few shards whatever the corpus's size; the arrays returned
+    are read memory-mapped from ``folder`` (in memory when no folder is given)."""
+    open_documents = documents if callable(documents) else (lambda: iter(documents))
+    splitter = train_sentence_splitter(open_documents())
     ids = special_ids(tokenizer)
-    jobs = [
-        (documents[start : start + DOCUMENTS_PER_SHARD], stable_seed(seed, "sop shard", index))
-        for index, start in enumerate(range(0, len(documents), DOCUMENTS_PER_SHARD))
-    ]
-    workers = max(1, min(workers or len(os.sched_getaffinity(0)), len(jobs)))
     builder = _ShardBuilder(splitter, tokenizer, ids, max_seq_length, short_seq_probability)
-    # minutes for a large corpus, once (the result is cached): a progress bar when run in a terminal
-    progress = dict(total=len(jobs), desc=f"building examples ({workers} processes)", unit="shard", disable=None)
-    if workers == 1:
-        parts = [builder(job) for job in tqdm(jobs, **progress)]
-    else:
-        # spawned, not forked: the parent's Rust tokenizer threads and torch state do not survive a fork safely
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            parts = list(tqdm(pool.imap(builder, jobs), **progress))
-    lengths = np.concatenate([part["lengths"] for part in parts])
-    if not len(lengths):
-        raise DataError(
-            f"the corpus gave no sentence-order example: none of its {len(documents)} documents has two sentences "
-            "(ALBERT learns the order of consecutive sentences of one document, and each line of a text file is "
-            "one document: put each document's sentences on one line, or use .jsonl with a text field per document)"
+    shards = _batched(open_documents(), DOCUMENTS_PER_SHARD)
+    # a corpus of one or two shards is built here: starting worker processes would cost more than it saves
+    first_shards = list(itertools.islice(shards, 2))
+    shards = itertools.chain(first_shards, shards)
+    workers = 1 if len(first_shards) < 2 else max(1, workers or len(os.sched_getaffinity(0)))
+    with tempfile.TemporaryDirectory(prefix="sop-shards-", dir=folder.parent if folder else None) as scratch:
+        jobs = (
+            (shard, stable_seed(seed, "sop shard", index), Path(scratch) / f"{index:07d}")
+            for index, shard in enumerate(shards)
         )
-    return {
-        "tokens": torch.from_numpy(np.concatenate([part["tokens"] for part in parts])),
-        "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])),
-        "first_segment": torch.from_numpy(np.concatenate([part["first_segment"] for part in parts])),
-        "sentence_order_label": torch.from_numpy(np.concatenate([part["labels"] for part in parts])),
-    }
+        # minutes for a large corpus, once (the result is cached): a progress bar when run in a terminal
+        progress = tqdm(desc=f"building examples ({workers} processes)", unit="shard", disable=None)
+        if workers == 1:
+            parts = [_tick(progress, builder(job)) for job in jobs]
+        else:
+            # spawned, not forked: the parent's Rust tokenizer threads and torch state do not survive a fork
+            # safely. At most two shards per worker are in flight, so the corpus is never read ahead.
+            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+                parts, pending = [], collections.deque()
+                for job in jobs:
+                    pending.append(pool.apply_async(builder, (job,)))
+                    if len(pending) >= 2 * workers:
+                        parts.append(_tick(progress, pending.popleft().get()))
+                parts += [_tick(progress, result.get()) for result in pending]
+        progress.close()
+        documents_read = sum(part["documents"] for part in parts)
+        if not sum(part["examples"] for part in parts):
+            raise DataError(
+                f"the corpus gave no sentence-order example: none of its {documents_read} documents has two "
+                "sentences (ALBERT learns the order of consecutive sentences of one document, and each line of a "
+                "text file is one document: put each document's sentences on one line, or use .jsonl with a text "
+                "field per document)"
+            )
+        target = folder if folder is not None else Path(scratch) / "examples"
+        _assemble(parts, target)
+        examples, tokens = sum(part["examples"] for part in parts), sum(part["tokens"] for part in parts)
+        logger.info(f"built {examples:,} SOP examples ({tokens:,} tokens) from {documents_read:,} documents")
+        return open_examples(target, in_memory=folder is None)
+
+
+def _batched(items: Iterable[str], size: int) -> Iterator[List[str]]:
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, size)):
+        yield batch
+
+
+def _tick(progress, value):
+    progress.update()
+    return value
+
+
+def _write_npy_header(stream, dtype, length: int) -> None:
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (length,)}
+    np.lib.format.write_array_header_1_0(stream, header)
+
+
+def _assemble(parts: List[dict], folder: Path) -> None:
+    """Append the shards' arrays, in shard order, to one .npy file per array (written through a file, never held
+    whole), then mark the folder complete."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = sum(part["tokens"] for part in parts)
+    examples = sum(part["examples"] for part in parts)
+    lengths = {"tokens": tokens, "offsets": examples + 1, "first_segment": examples, "sentence_order_label": examples}
+    streams = {name: (folder / f"{name}.npy").open("wb") for name in EXAMPLE_ARRAYS}
+    try:
+        for name, stream in streams.items():
+            _write_npy_header(stream, EXAMPLE_ARRAYS[name], lengths[name])
+        streams["offsets"].write(np.zeros(1, dtype=np.int64).tobytes())
+        base = 0
+        for part in parts:
+            shard = {name: np.load(f"{part['path']}-{name}.npy") for name in ("tokens", "lengths", "first", "labels")}
+            streams["tokens"].write(shard["tokens"].tobytes())
+            ends = base + np.cumsum(shard["lengths"], dtype=np.int64)
+            streams["offsets"].write(ends.tobytes())
+            base = int(ends[-1]) if len(ends) else base
+            streams["first_segment"].write(shard["first"].tobytes())
+            streams["sentence_order_label"].write(shard["labels"].tobytes())
+    finally:
+        for stream in streams.values():
+            stream.close()
+    (folder / COMPLETE_MARKER).write_text(json.dumps({"examples": examples, "tokens": tokens}) + "\n")
+
+
+def open_examples(folder: Path, in_memory: bool = False) -> Dict[str, np.ndarray]:
+    """The stored example arrays, memory-mapped (read-only); a missing, incomplete or inconsistent folder raises."""
+    facts = json.loads((folder / COMPLETE_MARKER).read_text())
+    arrays = {name: np.load(folder / f"{name}.npy", mmap_mode=None if in_memory else "r") for name in EXAMPLE_ARRAYS}
+    wrong = [name for name, dtype in EXAMPLE_ARRAYS.items() if arrays[name].dtype != dtype or arrays[name].ndim != 1]
+    count = facts["examples"]
+    if (
+        wrong
+        or len(arrays["offsets"]) != count + 1
+        or len(arrays["first_segment"]) != count
+        or len(arrays["sentence_order_label"]) != count
+        or len(arrays["tokens"]) != facts["tokens"]
+        or int(arrays["offsets"][-1]) != facts["tokens"]
+    ):
+        raise ValueError(f"the example arrays in {folder} do not fit together")
+    return arrays
+
+
+def load_or_build_example_arrays(folder: Path, build: Callable[[Path], object]) -> Dict[str, np.ndarray]:
+    """The example arrays stored in ``folder``, or ``build(temporary_folder)`` first (renamed into place when
+    complete, so peers building the same cache at once never read a half-written one). A folder that cannot be
+    read (an interrupted copy, a disk error, another program's files under its name) is derived data: it is
+    rebuilt, with one warning."""
+    if folder.exists():
+        try:
+            return open_examples(folder)
+        except Exception as error:  # whatever a damaged folder raises: the inputs are still there
+            logger.warning(f"the cached examples {folder} are unreadable ({type(error).__name__}): rebuilding them")
+            shutil.rmtree(folder, ignore_errors=True)
+    temporary = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(temporary, ignore_errors=True)
+    try:
+        build(temporary)
+        try:
+            temporary.rename(folder)
+        except OSError:  # another peer's build got there first: theirs is the same data
+            if not folder.exists():
+                raise
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return open_examples(folder)
 
 
 @dataclass
@@ -170,8 +283,9 @@ class _ShardBuilder:
     max_seq_length: int
     short_seq_probability: float
 
-    def __call__(self, job: Tuple[Sequence[str], int]) -> Dict[str, np.ndarray]:
-        documents, seed = job
+    def __call__(self, job: Tuple[Sequence[str], int, Path]) -> dict:
+        """Builds one shard and writes its arrays to ``<path>-<name>.npy``; returns their sizes."""
+        documents, seed, path = job
         rng = random.Random(seed)
         tokens: List[int] = []
         lengths, first_segment, labels = [], [], []
@@ -186,12 +300,11 @@ class _ShardBuilder:
                 lengths.append(len(tokens_a) + len(tokens_b) + 3)
                 first_segment.append(len(tokens_a) + 2)
                 labels.append(label)
-        return {
-            "tokens": np.array(tokens, dtype=np.int32),
-            "lengths": np.array(lengths, dtype=np.int64),
-            "first_segment": np.array(first_segment, dtype=np.int16),
-            "labels": np.array(labels, dtype=np.int8),
-        }
+        np.save(f"{path}-tokens.npy", np.array(tokens, dtype=np.int32))
+        np.save(f"{path}-lengths.npy", np.array(lengths, dtype=np.int64))
+        np.save(f"{path}-first.npy", np.array(first_segment, dtype=np.int16))
+        np.save(f"{path}-labels.npy", np.array(labels, dtype=np.int8))
+        return {"path": str(path), "documents": len(documents), "examples": len(labels), "tokens": len(tokens)}
 
 
 def special_ids(tokenizer) -> SpecialIds:
@@ -230,15 +343,29 @@ class SopDataset:
 
     def __init__(
         self,
-        examples: Dict[str, torch.Tensor],
+        examples: Dict[str, np.ndarray],
         ids: SpecialIds,
         mlm_probability: float,
         seed: int,
         max_seq_length: int,
+        folder: Optional[Path] = None,
     ):
-        """``examples``: what :func:`build_examples` returns."""
-        self.examples, self.ids, self.mlm_probability, self.seed = examples, ids, mlm_probability, seed
-        self.max_seq_length = max_seq_length
+        """``examples``: what :func:`build_examples` returns; ``folder``: where they are stored, if they are (a
+        copy of this dataset in another process then maps the files instead of receiving the arrays)."""
+        self.examples = {name: np.asarray(array) for name, array in examples.items()}
+        self.ids, self.mlm_probability, self.seed = ids, mlm_probability, seed
+        self.max_seq_length, self.folder = max_seq_length, folder
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.folder is not None:
+            del state["examples"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "examples" not in state:
+            self.examples = open_examples(self.folder)
 
     def __len__(self) -> int:
         return len(self.examples["sentence_order_label"])
@@ -251,7 +378,7 @@ class SopDataset:
         token_type_ids = torch.zeros((len(index), self.max_seq_length), dtype=torch.long)
         for row, example in enumerate(index.tolist()):
             start, end = int(offsets[example]), int(offsets[example + 1])
-            input_ids[row, : end - start] = tokens[start:end]
+            input_ids[row, : end - start] = torch.from_numpy(tokens[start:end].astype(np.int64))
             attention_mask[row, : end - start] = 1
             token_type_ids[row, int(first[example]) : end - start] = 1
         return input_ids, attention_mask, token_type_ids
@@ -273,7 +400,9 @@ class SopDataset:
             "labels": torch.cat(labels),
             "attention_mask": attention_mask,
             "token_type_ids": token_type_ids,
-            "sentence_order_label": self.examples["sentence_order_label"][index].long(),
+            "sentence_order_label": torch.from_numpy(
+                self.examples["sentence_order_label"][index.numpy()].astype(np.int64)
+            ),
             SAMPLE_IDS: index,
             "pass_index": torch.tensor(pass_index),
         }

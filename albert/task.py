@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from transformers import AlbertConfig, AlbertForPreTraining, PreTrainedTokenizerFast, get_linear_schedule_with_warmup
 
-from albert.corpus import DOCUMENT_LAYOUTS, OFFLINE_WIKIPEDIA, load_documents
-from albert.data import SopDataset, build_examples, cache_key, load_or_build_examples, special_ids
+from albert.corpus import DOCUMENT_LAYOUTS, OFFLINE_WIKIPEDIA
+from albert.data import SopDataset, build_examples, cache_key, load_or_build_example_arrays, special_ids
 from albert.export import export_albert
 from albert.sahajbert.data import BENGALI_STREAM, StreamConfig, bengali_tokenizer_folder, build_streaming_dataset
 from albert.tokenizer import TOKENIZER_FORMAT_VERSION, load_or_train_tokenizer
@@ -19,11 +19,14 @@ from common.config import RunConfig, require
 from common.errors import DataError
 from common.seeding import stable_seed
 from common.task import Batch, DatasetTask, ExportFacts, StepOutput
+from common.text.corpus import iter_documents
 from common.timm_optim import timm_optimizer
 
 logger = logging.getLogger(__name__)
 
-DATA_FORMAT_VERSION = 3  # bump when the example-building code changes, so caches are rebuilt
+# bump when the example-building code or its stored form changes, so caches are rebuilt (4: a folder of
+# memory-mapped .npy arrays, built from the corpus streamed shard by shard)
+DATA_FORMAT_VERSION = 4
 
 
 @dataclass
@@ -223,11 +226,46 @@ def tokenizer_folder(config: TaskConfig) -> Path:
     return Path(config.cache_dir) / f"tokenizer-{_tokenizer_key(config)}"
 
 
+def is_heldout(index: int, fraction: float) -> bool:
+    """A document is held out by a stable hash of its index, so the split does not depend on the corpus order's
+    topics and every peer makes the same one."""
+    return stable_seed("heldout", index) % 10_000 < fraction * 10_000
+
+
 def split_heldout(documents: List[str], fraction: float) -> Tuple[List[str], List[str]]:
-    """(training, held-out) documents: a document is held out by a stable hash of its index, so the split does
-    not depend on the corpus order's topics and every peer makes the same one."""
-    held = [stable_seed("heldout", index) % 10_000 < fraction * 10_000 for index in range(len(documents))]
+    """(training, held-out) documents (see :func:`is_heldout`)."""
+    held = [is_heldout(index, fraction) for index in range(len(documents))]
     return [doc for doc, out in zip(documents, held) if not out], [doc for doc, out in zip(documents, held) if out]
+
+
+def corpus_part(config: TaskConfig, part: str) -> Iterator[str]:
+    """The training (``train``) or held-out (``heldout``) documents of the corpus, streamed."""
+    documents = iter_documents(config.corpus, config.dataset_config, config.max_documents, config.document_layout)
+    if not config.heldout_fraction:
+        return documents if part == "train" else iter(())
+    wanted = part == "heldout"
+    return (doc for index, doc in enumerate(documents) if is_heldout(index, config.heldout_fraction) == wanted)
+
+
+def examples_folder(config: TaskConfig, part: str) -> Path:
+    return Path(config.cache_dir) / f"examples-{_examples_key(config, part)}"
+
+
+def cached_examples(config: TaskConfig, tokenizer, part: str) -> Tuple[dict, Path]:
+    """The SOP example arrays of a part of the corpus, built once (streamed, in parallel) and read memory-mapped."""
+    folder = examples_folder(config, part)
+    examples = load_or_build_example_arrays(
+        folder,
+        lambda target: build_examples(
+            lambda: corpus_part(config, part),
+            tokenizer,
+            config.max_seq_length,
+            config.short_seq_probability,
+            config.data_seed,
+            folder=target,
+        ),
+    )
+    return examples, folder
 
 
 def _examples_key(config: TaskConfig, part: str) -> str:
@@ -244,25 +282,14 @@ def _examples_key(config: TaskConfig, part: str) -> str:
 
 def build_heldout_dataset(config: TaskConfig, tokenizer) -> SopDataset:
     """SOP examples of the held-out documents (cached), masked like training data with their own seed."""
-    examples = load_or_build_examples(
-        Path(config.cache_dir) / f"examples-{_examples_key(config, 'heldout')}.pt",
-        lambda: build_examples(
-            split_heldout(
-                load_documents(config.corpus, config.dataset_config, config.max_documents, config.document_layout),
-                config.heldout_fraction,
-            )[1],
-            tokenizer,
-            config.max_seq_length,
-            config.short_seq_probability,
-            config.data_seed,
-        ),
-    )
+    examples, folder = cached_examples(config, tokenizer, "heldout")
     return SopDataset(
         examples,
         special_ids(tokenizer),
         config.mlm_probability,
         stable_seed(config.data_seed, "heldout"),
         config.max_seq_length,
+        folder,
     )
 
 
@@ -295,28 +322,14 @@ def build_dataset(config: TaskConfig):
     """Tokenizer + cached SOP examples for the configured corpus (or the streamed sahajBERT mix)."""
     if config.corpus == BENGALI_STREAM:
         return build_streaming_dataset(config)
-    documents: Optional[list] = None
-
-    def get_documents() -> list:
-        nonlocal documents
-        if documents is None:
-            documents = load_documents(
-                config.corpus, config.dataset_config, config.max_documents, config.document_layout
-            )
-            if config.heldout_fraction:
-                documents = split_heldout(documents, config.heldout_fraction)[0]
-        return documents
-
-    tokenizer = load_or_train_tokenizer(config.tokenizer, get_documents, config.vocab_size, tokenizer_folder(config))
-    examples = load_or_build_examples(
-        Path(config.cache_dir) / f"examples-{_examples_key(config, 'train')}.pt",
-        lambda: build_examples(
-            get_documents(), tokenizer, config.max_seq_length, config.short_seq_probability, config.data_seed
-        ),
+    # the tokenizer is trained (once, then cached) on the streamed training documents
+    tokenizer = load_or_train_tokenizer(
+        config.tokenizer, lambda: corpus_part(config, "train"), config.vocab_size, tokenizer_folder(config)
     )
+    examples, folder = cached_examples(config, tokenizer, "train")
     logger.info(f"ALBERT data: {len(examples['offsets']) - 1} SOP examples of up to {config.max_seq_length} tokens")
     return tokenizer, SopDataset(
-        examples, special_ids(tokenizer), config.mlm_probability, config.data_seed, config.max_seq_length
+        examples, special_ids(tokenizer), config.mlm_probability, config.data_seed, config.max_seq_length, folder
     )
 
 

@@ -8,7 +8,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterable, Iterator, List, Optional
 
 from common.errors import DataError
 
@@ -44,24 +44,32 @@ def offline_wikipedia_articles() -> List[dict]:
     return articles
 
 
-def wikitext_documents(lines: List[str]) -> List[str]:
+def wikitext_documents(lines: Iterable[str]) -> List[str]:
     """WikiText-103 lines -> articles: a new article starts at each top-level ``= Title =`` heading."""
-    documents: List[str] = []
+    return list(iter_wikitext_documents(lines))
+
+
+def iter_wikitext_documents(lines: Iterable[str]) -> Iterator[str]:
+    """:func:`wikitext_documents`, one article at a time (the corpus is never held whole)."""
     current: List[str] = []
     for line in lines:
         if re.fullmatch(r"\s*= [^=].* =\s*", line):
             if current:
-                documents.append(" ".join(current))
+                yield " ".join(current)
             current = []
         elif line.strip() and not line.strip().startswith("="):
             current.append(line.strip())
     if current:
-        documents.append(" ".join(current))
-    return documents
+        yield " ".join(current)
 
 
 def load_hub_or_local_text(dataset: str, dataset_config: Optional[str], split: str = "train") -> List[str]:
     """Lines of text from a local file/folder (.txt/.json/.jsonl/.parquet with a ``text`` field) or a hub name."""
+    return list(_load_hub_or_local(dataset, dataset_config, split)["text"])
+
+
+def _load_hub_or_local(dataset: str, dataset_config: Optional[str], split: str):
+    """The ``datasets`` table of a local file/folder or a hub name, checked to have a ``text`` column."""
     path = Path(dataset)
     if dataset.startswith((".", "/", "~")) and not path.exists():
         raise DataError(f"data path not found: {dataset}")
@@ -72,7 +80,26 @@ def load_hub_or_local_text(dataset: str, dataset_config: Optional[str], split: s
         loaded = load_hub_dataset(dataset, dataset_config, instead, split=split)
     if "text" not in loaded.column_names:
         raise DataError(f"dataset {dataset!r} has no 'text' column (columns: {loaded.column_names})")
-    return list(loaded["text"])
+    return loaded
+
+
+def iter_hub_or_local_lines(dataset: str, dataset_config: Optional[str], split: str = "train") -> Iterator[str]:
+    """:func:`load_hub_or_local_text`'s lines, streamed. Local ``.txt`` files are read directly and split as the
+    ``datasets`` text builder splits them (universal newlines, then at each newline), so both give the same
+    lines; other data is read through its ``datasets`` table (memory-mapped) in batches."""
+    path = Path(dataset)
+    text_files = _local_text_files(path) if path.exists() else []
+    if not text_files or any(file.suffix != ".txt" for file in text_files):
+        for batch in _load_hub_or_local(dataset, dataset_config, split).iter(batch_size=1000):
+            yield from batch["text"]
+        return
+    for file in text_files:
+        try:
+            with file.open(encoding="utf-8") as stream:
+                for line in stream:
+                    yield line[:-1] if line.endswith("\n") else line
+        except UnicodeDecodeError:
+            raise DataError(_local_file_problem([file]) or f"data file {file} is not UTF-8 text") from None
 
 
 def load_hub_dataset(name: str, config_name: Optional[str], instead: str, **options):
@@ -92,10 +119,8 @@ def load_hub_dataset(name: str, config_name: Optional[str], instead: str, **opti
 LOCAL_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
-def _load_local_text(path: Path, split: str):
-    """A local file or folder through the ``datasets`` builder for its suffix; its failures name the bad file."""
-    import datasets
-
+def _local_text_files(path: Path) -> List[Path]:
+    """The usable data files of a local file or folder, in reading order; none, or an empty one, is a DataError."""
     files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
     usable = [p for p in files if p.suffix in LOCAL_BUILDERS]
     if not usable:
@@ -105,6 +130,14 @@ def _load_local_text(path: Path, split: str):
     empty = [p for p in usable if p.stat().st_size == 0]
     if empty:
         raise DataError(f"data file {empty[0]} is empty")
+    return usable
+
+
+def _load_local_text(path: Path, split: str):
+    """A local file or folder through the ``datasets`` builder for its suffix; its failures name the bad file."""
+    import datasets
+
+    usable = _local_text_files(path)
     try:
         return datasets.load_dataset(
             LOCAL_BUILDERS[usable[0].suffix], data_files=[str(p) for p in usable], split=split
@@ -148,16 +181,30 @@ DOCUMENT_LAYOUTS = ("line", "wikitext_article")
 def load_documents(
     corpus: str, dataset_config: Optional[str], max_documents: Optional[int], layout: str = "line"
 ) -> List[str]:
+    """Every document of the corpus in a list (:func:`iter_documents` streams them instead)."""
+    documents = list(iter_documents(corpus, dataset_config, max_documents, layout))
+    logger.info(f"corpus {corpus}: {len(documents)} documents")
+    return documents
+
+
+def iter_documents(
+    corpus: str, dataset_config: Optional[str], max_documents: Optional[int], layout: str = "line"
+) -> Iterator[str]:
+    """The corpus's documents one at a time, in :func:`load_documents`' order, without holding the corpus. Bad
+    input (missing, empty or non-UTF-8 data, no documents) is a DataError before the first document."""
     if layout not in DOCUMENT_LAYOUTS:
         raise ValueError(f"unknown document layout {layout!r}")
     if corpus == OFFLINE_WIKIPEDIA:
-        documents = [article["text"] for article in offline_wikipedia_articles()]
+        documents: Iterable[str] = [article["text"] for article in offline_wikipedia_articles()]
     else:
-        lines = load_hub_or_local_text(corpus, dataset_config)
-        documents = wikitext_documents(lines) if layout == "wikitext_article" else [t for t in lines if t.strip()]
-    if max_documents is not None:
-        documents = documents[:max_documents]
-    if not documents:
+        lines = iter_hub_or_local_lines(corpus, dataset_config)
+        documents = iter_wikitext_documents(lines) if layout == "wikitext_article" else (t for t in lines if t.strip())
+    stream = iter(documents)
+    first = next(stream, None)
+    if first is None:
         raise DataError(f"corpus {corpus!r} has no documents")
-    logger.info(f"corpus {corpus}: {len(documents)} documents")
-    return documents
+    yield first
+    for count, document in enumerate(stream, start=2):
+        if max_documents is not None and count > max_documents:
+            return
+        yield document

@@ -7,7 +7,13 @@ import torch
 from common.errors import DataError
 from common.task import SAMPLE_IDS
 from common.text.blocks import BlockDataset, build_blocks
-from common.text.corpus import OFFLINE_WIKIPEDIA, load_documents
+from common.text.corpus import (
+    OFFLINE_WIKIPEDIA,
+    iter_documents,
+    iter_hub_or_local_lines,
+    load_documents,
+    load_hub_or_local_text,
+)
 from common.text.tokenizer import (
     END_OF_TEXT,
     TokenizerSpec,
@@ -69,3 +75,21 @@ def test_blocks_join_documents_with_the_end_of_text_token_and_keep_the_protocol(
     batch = dataset.batch(entries[0][0], entries[0][1])
     assert batch[SAMPLE_IDS].tolist() == entries[0][0]
     assert torch.equal(batch["input_ids"], blocks[entries[0][0]])
+
+
+def test_text_files_are_streamed_as_the_datasets_text_builder_reads_them(tmp_path):
+    # the streamed reader replaces the datasets builder for .txt corpora: a different split would give other
+    # documents, so other examples and tokenizers, than peers reading the same file with the builder
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(
+        "= Title =\r\n\r\nFirst line.\rSecond\u2028same line\x0c too.\n\n = = Part = = \nLast, no newline".encode()
+    )
+    (folder / "b.txt").write_text("  \nb's only line\n")
+    assert list(iter_hub_or_local_lines(str(folder), None)) == load_hub_or_local_text(str(folder), None)
+    for layout in ("line", "wikitext_article"):
+        assert list(iter_documents(str(folder), None, None, layout)) == load_documents(str(folder), None, None, layout)
+    assert list(iter_documents(str(folder), None, 2)) == load_documents(str(folder), None, None)[:2]
+    (folder / "c.txt").write_bytes(b"caf\xe9\n")
+    with pytest.raises(DataError, match="c.txt is not UTF-8 text"):
+        list(iter_documents(str(folder), None, None))

@@ -3,6 +3,7 @@
 import random
 
 import hivemind
+import numpy as np
 import pytest
 import torch
 from hivemind.utils import get_dht_time
@@ -97,21 +98,32 @@ def test_document_layout_is_chosen_by_config_not_by_the_corpus_name(tmp_path):
 
 @pytest.mark.slow  # two spawned processes
 @pytest.mark.timeout(300)
-def test_examples_are_unpadded_and_the_same_whatever_the_number_of_build_processes(monkeypatch):
+def test_examples_are_unpadded_and_the_same_whatever_the_number_of_build_processes(monkeypatch, tmp_path):
     documents = load_documents("offline_wikipedia", None, 150)
     tokenizer = train_unigram_tokenizer(documents, 500)
     monkeypatch.setattr(albert_data, "DOCUMENTS_PER_SHARD", 50)  # three shards
     alone = build_examples(documents, tokenizer, 64, 0.1, seed=5, workers=1)
-    shared = build_examples(documents, tokenizer, 64, 0.1, seed=5, workers=2)
-    assert alone.keys() == shared.keys() and all(torch.equal(alone[name], shared[name]) for name in alone)
+    # streamed from a reader of the corpus, stored in a folder and read back memory-mapped
+    shared = build_examples(lambda: iter(documents), tokenizer, 64, 0.1, seed=5, workers=2, folder=tmp_path / "ex")
+    assert isinstance(shared["tokens"], np.memmap) and sorted(path.name for path in (tmp_path / "ex").iterdir()) == [
+        "examples.json",
+        "first_segment.npy",
+        "offsets.npy",
+        "sentence_order_label.npy",
+        "tokens.npy",
+    ]
+    assert alone.keys() == shared.keys() and all(np.array_equal(alone[name], shared[name]) for name in alone)
     count = len(alone["sentence_order_label"])
-    assert count > 50 and alone["tokens"].dtype == torch.int32 and len(alone["tokens"]) == int(alone["offsets"][-1])
+    assert count > 50 and alone["tokens"].dtype == np.int32 and len(alone["tokens"]) == int(alone["offsets"][-1])
     # the padded batch is what the padded recipe (create_sop_instances) gives for the same pairs
     ids = special_ids(tokenizer)
     dataset = SopDataset(alone, ids, 0.15, seed=0, max_seq_length=64)
     input_ids, attention_mask, token_type_ids = dataset.padded(torch.arange(count))
     first = int(alone["offsets"][1])
     tokens = alone["tokens"][:first].tolist()
+    assert dataset.batch([3, 4], 1)["input_ids"].equal(
+        SopDataset(shared, ids, 0.15, 0, 64).batch([3, 4], 1)["input_ids"]
+    )
     split = int(alone["first_segment"][0])
     reference = albert_data._pack(tokens[1 : split - 1], tokens[split:-1], 0, 64, ids)
     assert (
@@ -163,3 +175,24 @@ def test_a_trainer_with_another_tokenizer_is_refused_in_one_line():
             require_same_model(dht, "run", RunFingerprints("another layout", run.inputs))
     finally:
         dht.shutdown()
+
+
+def test_a_damaged_examples_cache_is_rebuilt_with_one_warning(tmp_path, caplog):
+    documents = load_documents("offline_wikipedia", None, 40)
+    tokenizer = train_unigram_tokenizer(documents, 300)
+    folder = tmp_path / "examples-0123"
+
+    def build(target):
+        return build_examples(documents, tokenizer, 64, 0.0, seed=1, workers=1, folder=target)
+
+    # copied out of the mapping: truncating a mapped file in place would end this process (SIGBUS); a rebuild
+    # unlinks the damaged files instead, so a process still mapping them keeps reading the old data
+    built = {name: np.array(array) for name, array in albert_data.load_or_build_example_arrays(folder, build).items()}
+    (folder / "tokens.npy").write_bytes(b"not an array")  # a torn copy
+    with caplog.at_level("WARNING", logger="albert.data"):
+        rebuilt = albert_data.load_or_build_example_arrays(folder, build)
+    assert [record.message for record in caplog.records if "unreadable" in record.message] == [
+        f"the cached examples {folder} are unreadable (ValueError): rebuilding them"
+    ]
+    assert all(np.array_equal(built[name], rebuilt[name]) for name in built)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [folder.name]  # no temporary folder left
