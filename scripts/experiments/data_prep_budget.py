@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -63,43 +64,59 @@ def trained_tokenizer(folder: Path, vocab_size: int) -> Path:
     return folder
 
 
-def tree_rss(process: psutil.Process) -> int:
-    total = 0
+def tree_memory(process: psutil.Process) -> tuple:
+    """(RSS summed, PSS summed) over the process and its workers, in bytes. RSS counts the pages they share (the
+    libraries every spawned worker maps) once per process; PSS splits them, so its sum is what the tree uses."""
+    rss = pss = 0
     for member in [process, *process.children(recursive=True)]:
         try:
-            total += member.memory_info().rss
+            rss += member.memory_info().rss
+            pss += member.memory_full_info().pss
         except psutil.Error:
             continue
-    return total
+    return rss, pss
 
 
 def measure(checkout: Path, overrides: list, cache_dir: Path, log: Path) -> dict:
     """Build the examples in a child process running ``checkout``'s code; sample its process tree's memory."""
     environment = {**os.environ, "PYTHONPATH": str(checkout), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     command = [sys.executable, "-c", CHILD, str(checkout / "configs/albert/paper.yaml"), *overrides]
-    started, peak, samples = time.monotonic(), 0, 0
+    started, peak, peak_pss, samples = time.monotonic(), 0, 0, 0
     with log.open("wb") as stream:
         child = subprocess.Popen(command, cwd=checkout, env=environment, stdout=stream, stderr=subprocess.STDOUT)
         watched = psutil.Process(child.pid)
         while child.poll() is None:
-            peak = max(peak, tree_rss(watched))
+            rss, pss = tree_memory(watched)
+            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
             samples += 1
             if samples % 120 == 0:
-                logger.info(f"building: {time.monotonic() - started:.0f} s, peak so far {peak / 2**20:.0f} MiB")
+                logger.info(
+                    f"building: {time.monotonic() - started:.0f} s, peak so far {peak / 2**20:.0f} MiB RSS, "
+                    f"{peak_pss / 2**20:.0f} MiB PSS"
+                )
             time.sleep(0.5)
     seconds = time.monotonic() - started
     if child.returncode != 0:
         raise RuntimeError(f"the build failed (exit {child.returncode}): see {log}")
-    (cache,) = [path for path in cache_dir.glob("examples-*.pt")]
-    examples = torch.load(cache, weights_only=True)
-    unpadded = "tokens" in examples  # the stored format since 26aa986; padded 512-token rows before
+    (cache,) = [path for path in cache_dir.glob("examples-*") if not path.name.endswith(".tmp")]
+    if cache.is_dir():  # since DATA_FORMAT_VERSION 4: a folder of .npy arrays, read memory-mapped
+        facts = json.loads((cache / "examples.json").read_text())
+        count, tokens, stored = facts["examples"], facts["tokens"], "unpadded token ids, .npy arrays (memory-mapped)"
+        size = sum(path.stat().st_size for path in cache.iterdir())
+    else:
+        examples = torch.load(cache, weights_only=True)
+        unpadded = "tokens" in examples  # the stored format since 26aa986; padded 512-token rows before
+        count = len(examples["sentence_order_label"])
+        tokens = len(examples["tokens"]) if unpadded else int(examples["attention_mask"].long().sum())
+        stored, size = "unpadded token ids" if unpadded else "padded rows", cache.stat().st_size
     return {
         "seconds": round(seconds, 1),
         "peak_tree_rss_mib": round(peak / 2**20),
-        "examples": len(examples["sentence_order_label"]),
-        "example_tokens": len(examples["tokens"]) if unpadded else int(examples["attention_mask"].long().sum()),
-        "stored_as": "unpadded token ids" if unpadded else "padded rows",
-        "cache_mib": round(cache.stat().st_size / 2**20, 1),
+        "peak_tree_pss_mib": round(peak_pss / 2**20),
+        "examples": count,
+        "example_tokens": tokens,
+        "stored_as": stored,
+        "cache_mib": round(size / 2**20, 1),
     }
 
 
@@ -119,7 +136,7 @@ def main() -> None:
     tokenizer = trained_tokenizer(work / "tokenizer_30000", 30000)
     cache_dir = work / f"cache_{args.label or 'run'}_x{args.copies}"
     for old in cache_dir.glob("examples-*"):
-        old.unlink()
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
     checkout = args.checkout.resolve()
     overrides = [f"task.corpus={corpus}", f"task.tokenizer={tokenizer}", f"task.cache_dir={cache_dir}"]
     logger.info(f"building the examples of {words:,} words with {checkout} (load average {load_average()})")
@@ -127,7 +144,8 @@ def main() -> None:
     result = measure(checkout, overrides, cache_dir, work / f"{args.label or 'run'}_x{args.copies}.log")
     record = {
         "what": "sentence-order examples of configs/albert/paper.yaml (seq 512) built from a corpus file, the "
-        "tokenizer given: wall seconds and the peak resident memory of the building process and its workers",
+        "tokenizer given: wall seconds and the peak memory of the building process and its workers, sampled every "
+        "0.5 s (RSS summed over the processes, and PSS summed, which counts their shared pages once)",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "label": args.label,
         "code": git_commit() if checkout == ROOT else f"{checkout} (another checkout)",
@@ -142,7 +160,7 @@ def main() -> None:
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     logger.info(
         f"{result['examples']:,} examples ({result['example_tokens']:,} tokens) in {result['seconds']:.0f} s, "
-        f"peak {result['peak_tree_rss_mib']:,} MiB: {args.out}"
+        f"peak {result['peak_tree_rss_mib']:,} MiB RSS, {result['peak_tree_pss_mib']:,} MiB PSS: {args.out}"
     )
 
 

@@ -57,10 +57,10 @@ COLUMNS = [
     "steps",
     "s_per_step",
     "data_prep_s",
-    "data_prep_peak_rss_mb",
+    "data_prep_peak_pss_mb",
     "trainer_peak_rss_mb",
     "monitor_peak_rss_mb",
-    "swarm_peak_rss_mb",
+    "run_peak_pss_mb",
     "checkpoint_step",
     "checkpoint_mb",
     "state_download_mb_fp16",
@@ -73,6 +73,8 @@ COLUMNS = [
     "wall_s",
     "status",
 ]
+# the trainers of a swarm rehearsal run until the late joiner has joined and stepped; at most this many steps more
+LATE_JOIN_STEP_BOUND = 20
 PNG_IMAGES = 640  # Fashion-MNIST train images written as an ImageFolder (10 class folders)
 
 
@@ -175,24 +177,31 @@ def peak_rss_mb(pid: int) -> Optional[float]:
 
 def prepare_data(rehearsal: Rehearsal, overrides: List[str], log: Path) -> tuple:
     """Build the task with its data once in a child process (tokenizer, examples, image index), as each
-    volunteer does before contributing: wall seconds and the child's peak RSS (MB)."""
+    volunteer does before contributing: wall seconds and the peak memory (summed PSS) of the child and the
+    workers it starts, sampled every 0.5 s."""
     code = (
         "import sys; sys.path.insert(0, '.');"
         "from common.config import load_config, import_task_module;"
         f"config = load_config({rehearsal.config!r}, {overrides!r});"
-        "import_task_module(config.task_module).build_task(config);"
-        "import resource; print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "import_task_module(config.task_module).build_task(config)"
     )
-    started = time.monotonic()
+    started, peak = time.monotonic(), 0.0
     with log.open("wb") as stream:
-        result = subprocess.run([PYTHON, "-c", code], cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, timeout=3600)
+        child = subprocess.Popen([PYTHON, "-c", code], cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT)
+        try:
+            while child.poll() is None:
+                peak = max(peak, group_pss_mb(child.pid))
+                if time.monotonic() - started > 3600:
+                    raise TimeoutError("data preparation ran past 3600 s")
+                time.sleep(0.5)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
     seconds = time.monotonic() - started
-    if result.returncode != 0:
-        raise RuntimeError(f"data preparation failed (exit {result.returncode}): see {log}")
-    peak_kib = [
-        line.split()[1] for line in log.read_text(errors="replace").splitlines() if line.startswith("PEAK_RSS_KB")
-    ]
-    return seconds, int(peak_kib[-1]) / 1024
+    if child.returncode != 0:
+        raise RuntimeError(f"data preparation failed (exit {child.returncode}): see {log}")
+    return seconds, peak
 
 
 def max_abs_diff(first: dict, second: dict, names) -> float:
@@ -247,8 +256,9 @@ def newest_checkpoint_step(folder: Path) -> int:
     return checkpoint_step(checkpoints[-1]) if checkpoints else -1
 
 
-def group_rss_mb(pid: int) -> float:
-    """Resident memory of a peer's whole process group now (its hivemind and loader children included)."""
+def group_pss_mb(pid: int) -> float:
+    """Memory of a peer's process tree now (its hivemind and loader children included), as summed PSS: pages the
+    processes share (libraries, shared tensors) counted once, so the sum over peers is what the run uses."""
     try:
         members = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
@@ -256,7 +266,7 @@ def group_rss_mb(pid: int) -> float:
     total = 0
     for member in members:
         try:
-            total += member.memory_info().rss
+            total += member.memory_full_info().pss
         except psutil.Error:
             continue
     return total / 2**20
@@ -272,12 +282,24 @@ def joiner_loaded_step(log: Path) -> Optional[int]:
     return None
 
 
+def steps_done(folder: Path) -> int:
+    """Global steps a peer has recorded taking part in (its steps.jsonl), counted as the step it reached."""
+    path = folder / "steps.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return max((json.loads(line)["step"] + 1 for line in lines if line.strip()), default=0)
+
+
 def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: float, row: dict) -> None:
-    """Monitor + 2 trainers for ``steps`` global steps; the late joiner starts once the monitor holds a checkpoint
-    of step 1 or later, so it downloads the state while the trainers still run (they are its donors)."""
+    """Monitor + 2 trainers take ``steps`` global steps and go on; once the monitor holds a checkpoint of step 1 or
+    later, the late joiner starts, downloads the state from the running swarm and takes a step with it; then the
+    trainers and the joiner are stopped together (SIGTERM: each finishes its micro-batch and saves its weights)."""
     peaks: Dict[str, float] = {}
     total_peak = [0.0]
     trainers_alive_when_loaded: List[bool] = []
+    trainers = ["trainer0", "trainer1"]
+    target = row["steps_target"]
+    # the trainers run until stopped; this bound only ends a rehearsal whose joiner never joins
+    open_ended = [f"training.max_global_steps={target + LATE_JOIN_STEP_BOUND}"]
 
     def sample(swarm: LocalSwarm) -> None:
         total = 0.0
@@ -285,20 +307,32 @@ def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout:
             value = peak_rss_mb(peer.process.pid)
             if value is not None:
                 peaks[name] = max(peaks.get(name, 0.0), value)
-            total += group_rss_mb(peer.process.pid)
+            total += group_pss_mb(peer.process.pid)
         total_peak[0] = max(total_peak[0], total)
         if "late" in swarm.peers and not trainers_alive_when_loaded:
             if joiner_loaded_step(swarm.peers["late"].log_path) is not None:
                 trainers_alive_when_loaded.append(all(swarm.peers[name].alive() for name in trainers))
 
+    def joined_and_stepped(swarm: LocalSwarm) -> bool:
+        """The joiner has loaded the state and both it and trainer0 have taken a step after it (and the swarm
+        has taken ``steps``); or the joiner has exited (failed)."""
+        late = swarm.peers["late"]
+        if not late.alive():
+            return steps_done(folder / "trainer0") >= target
+        loaded = joiner_loaded_step(late.log_path)
+        return (
+            loaded is not None
+            and steps_done(late.output_dir) > loaded
+            and steps_done(folder / "trainer0") >= max(target, loaded + 1)
+        )
+
     config_path = str(ROOT / rehearsal.config)
-    trainers = ["trainer0", "trainer1"]
     with LocalSwarm(config_path, folder, overrides) as swarm:
         swarm.start_first_peer("monitor", "monitor", rehearsal.peer_overrides.get("monitor", []), timeout=600)
         if rehearsal.auxiliary:
             swarm.start("auxiliary", "aux", rehearsal.peer_overrides.get("aux", []))
         for name in trainers:
-            swarm.start("trainer", name)
+            swarm.start("trainer", name, open_ended)
         deadline = time.monotonic() + timeout
         swarm.wait(
             trainers,
@@ -307,19 +341,21 @@ def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout:
             tick_seconds=1.0,
             should_stop=lambda: newest_checkpoint_step(folder) >= 1,
         )
-        started_late = newest_checkpoint_step(folder) >= 1 and all(swarm.peers[name].alive() for name in trainers)
-        if started_late:
-            swarm.start("trainer", "late", ["collaboration.expected_peers=1"])
+        started_late = all(swarm.peers[name].alive() for name in trainers)
         everyone = [*trainers, *(["late"] if started_late else [])]
-        finished = swarm.wait(
-            everyone, max(60.0, deadline - time.monotonic()), on_tick=lambda: sample(swarm), tick_seconds=1.0
-        )
+        if started_late:
+            swarm.start("trainer", "late", ["collaboration.expected_peers=1", *open_ended])
+            swarm.wait(
+                everyone,
+                max(60.0, deadline - time.monotonic()),
+                on_tick=lambda: sample(swarm),
+                tick_seconds=1.0,
+                should_stop=lambda: joined_and_stepped(swarm),
+            )
         sample(swarm)
-        problems = [
-            f"{name} exit {swarm.peers[name].process.returncode}"
-            for name in everyone
-            if not finished or swarm.peers[name].process.returncode != 0
-        ]
+        swarm.stop_many(everyone, graceful=True, grace_seconds=180.0)  # a cut round waits averaging_timeout
+        problems = [f"{name} exit {swarm.peers[name].process.returncode}" for name in everyone]
+        problems = [problem for problem in problems if not problem.endswith(" exit 0")]
         if not started_late:
             problems.append("the trainers ended before the monitor's first checkpoint: no late joiner")
         swarm.stop("monitor")
@@ -329,7 +365,7 @@ def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout:
     row["monitor_peak_rss_mb"] = round(peaks.get("monitor", 0.0))
     if rehearsal.auxiliary:
         row["monitor_peak_rss_mb"] = f"{row['monitor_peak_rss_mb']} (aux {round(peaks.get('aux', 0.0))})"
-    row["swarm_peak_rss_mb"] = round(total_peak[0])
+    row["run_peak_pss_mb"] = round(total_peak[0])
     steps = [json.loads(line) for line in (folder / "trainer0" / "steps.jsonl").read_text().splitlines()]
     row["steps"] = max((step["step"] + 1 for step in steps), default=0)
     row["s_per_step"] = round(sum(step["seconds"] for step in steps) / max(len(steps), 1), 1)
@@ -344,15 +380,21 @@ def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout:
     late_ok = started_late and swarm.peers["late"].process.returncode == 0
     loaded = joiner_loaded_step(folder / "late" / "peer.log") if started_late else None
     if late_ok and loaded is not None:
-        alive = "the trainers alive" if trainers_alive_when_loaded == [True] else "after the trainers left"
-        row["late_joiner"] = f"loaded step {loaded} ({alive})"
+        alive = "from the running swarm" if trainers_alive_when_loaded == [True] else "after the trainers left"
+        late_steps = json.loads((folder / "late" / "summary.json").read_text())["global_steps"]
+        reference_steps = json.loads((folder / "trainer0" / "summary.json").read_text())["global_steps"]
+        row["late_joiner"] = f"loaded step {loaded} {alive}, trained to step {late_steps}"
+        row["late_joiner_step"] = late_steps
         late = read_state_file(folder / "late" / "final_model.pt")
         reference = read_state_file(folder / "trainer0" / "final_model.pt")
         names = [name for name, value in reference.items() if value.is_floating_point()]
-        row["late_joiner_step"] = json.loads((folder / "late" / "summary.json").read_text())["global_steps"]
-        row["late_joiner_max_abs_diff"] = f"{max_abs_diff(late, reference, names):.3g}"
+        difference = f"{max_abs_diff(late, reference, names):.3g}"
+        same = late_steps == reference_steps
+        row["late_joiner_max_abs_diff"] = difference if same else f"{difference} (trainer0 at step {reference_steps})"
         if trainers_alive_when_loaded != [True]:
             problems.append("the late joiner loaded the state after the trainers left")
+        if late_steps <= loaded:
+            problems.append("the late joiner took no step with the swarm")
     elif started_late:
         row["late_joiner"] = "failed: " + swarm.peers["late"].log_tail(2).replace("\n", " | ")
         problems.append("late joiner failed")
@@ -392,7 +434,7 @@ def run_ddp(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: f
                 children = subprocess.run(["pgrep", "-g", str(process.pid)], capture_output=True, text=True)
                 workers = [int(pid) for pid in children.stdout.split() if int(pid) != process.pid]  # not torchrun
                 peak = max([peak, *(peak_rss_mb(pid) or 0.0 for pid in workers)])
-                total_peak = max(total_peak, group_rss_mb(process.pid))
+                total_peak = max(total_peak, group_pss_mb(process.pid))
                 time.sleep(1)
         finally:
             if process.poll() is None:
@@ -409,7 +451,7 @@ def run_ddp(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: f
             first_checkpoints = list_checkpoints(folder / "run" / CHECKPOINT_DIR)
     row["trainer_peak_rss_mb"] = round(peak)
     row["monitor_peak_rss_mb"] = "none (DDP)"
-    row["swarm_peak_rss_mb"] = round(total_peak)
+    row["run_peak_pss_mb"] = round(total_peak)
     resume_log = (folder / "resume.log").read_text(errors="replace").splitlines()
     resumed = [line for line in resume_log if "resumed from" in line]
     workers = sorted((folder / "run").glob("*/steps.jsonl"))
@@ -497,7 +539,7 @@ def main() -> None:
         try:
             prep_overrides = [override for override in overrides if not override.startswith("training.max_global")]
             seconds, rss = prepare_data(rehearsal, prep_overrides, folder / "data_prep.log")
-            row["data_prep_s"], row["data_prep_peak_rss_mb"] = round(seconds, 1), round(rss)
+            row["data_prep_s"], row["data_prep_peak_pss_mb"] = round(seconds, 1), round(rss)
             built = "documents" in (folder / "data_prep.log").read_text()  # logged when the corpus is read
             if rehearsal.config.startswith("configs/albert") and not built:
                 row["data_prep_s"] = f"{row['data_prep_s']} (cached)"  # tokenizer and examples were already built
