@@ -152,6 +152,8 @@ def build_examples(
     first_shards = list(itertools.islice(shards, 2))
     shards = itertools.chain(first_shards, shards)
     workers = 1 if len(first_shards) < 2 else max(1, workers or len(os.sched_getaffinity(0)))
+    if folder is not None:
+        folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="sop-shards-", dir=folder.parent if folder else None) as scratch:
         jobs = (
             (shard, stable_seed(seed, "sop shard", index), Path(scratch) / f"{index:07d}")
@@ -259,6 +261,7 @@ def load_or_build_example_arrays(folder: Path, build: Callable[[Path], object]) 
         except Exception as error:  # whatever a damaged folder raises: the inputs are still there
             logger.warning(f"the cached examples {folder} are unreadable ({type(error).__name__}): rebuilding them")
             shutil.rmtree(folder, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
     temporary = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(temporary, ignore_errors=True)
     try:

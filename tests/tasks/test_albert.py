@@ -180,7 +180,7 @@ def test_a_trainer_with_another_tokenizer_is_refused_in_one_line():
 def test_a_damaged_examples_cache_is_rebuilt_with_one_warning(tmp_path, caplog):
     documents = load_documents("offline_wikipedia", None, 40)
     tokenizer = train_unigram_tokenizer(documents, 300)
-    folder = tmp_path / "examples-0123"
+    folder = tmp_path / "cache" / "examples-0123"  # the cache folder does not exist yet
 
     def build(target):
         return build_examples(documents, tokenizer, 64, 0.0, seed=1, workers=1, folder=target)
@@ -195,4 +195,4 @@ def test_a_damaged_examples_cache_is_rebuilt_with_one_warning(tmp_path, caplog):
         f"the cached examples {folder} are unreadable (ValueError): rebuilding them"
     ]
     assert all(np.array_equal(built[name], rebuilt[name]) for name in built)
-    assert sorted(path.name for path in tmp_path.iterdir()) == [folder.name]  # no temporary folder left
+    assert sorted(path.name for path in folder.parent.iterdir()) == [folder.name]  # no temporary folder left
