@@ -9,6 +9,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# tests.helpers.TEST_SESSION_VARIABLE: marks what this test process (one per xdist worker) starts
+os.environ["DEDLOC_TEST_SESSION"] = str(os.getpid())
 
 
 def pytest_addoption(parser):
@@ -56,3 +58,19 @@ def tiny_ddp_overrides(tiny_overrides):
         "collaboration.target_batch_size=64",
         "training.local_batch_size=16",
     ]
+
+
+def _timeout_seconds(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    return float(marker.args[0]) if marker and marker.args else 0.0
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the longest multi-process tests first (their `timeout` markers added up stand in for their cost):
+    the suite runs files on parallel workers (pytest-xdist, `--dist loadfile`), and a long file started last would
+    keep one worker busy after the others ran out of work. The order within a file is kept."""
+    cost: dict = {}
+    for item in items:
+        cost[item.path] = cost.get(item.path, 0.0) + (_timeout_seconds(item) if item.get_closest_marker("slow") else 0)
+    first_seen = {path: index for index, path in reversed(list(enumerate(item.path for item in items)))}
+    items.sort(key=lambda item: (-cost[item.path], first_seen[item.path]))

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,40 @@ def run_trainers(config_path: str, run_dir: Path, overrides: List[str], trainers
         assert all(swarm.peers[name].process.returncode == 0 for name in trainers), [
             swarm.peers[name].log_tail() for name in trainers
         ]
+
+
+# Set by tests/conftest.py in each test process (one per pytest-xdist worker) and inherited by everything it starts:
+# what a test leaves behind is told apart from the processes and namespaces of other tests running beside it.
+TEST_SESSION_VARIABLE = "DEDLOC_TEST_SESSION"
+
+
+def _started_by_this_session(pid: int) -> bool:
+    if pid == os.getpid():  # its /proc environ is the one it was started with, before conftest set the variable
+        return True
+    try:
+        environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return False
+    return f"{TEST_SESSION_VARIABLE}={os.environ[TEST_SESSION_VARIABLE]}".encode() in environment
+
+
+def own_processes(pattern: str) -> List[str]:
+    """``pgrep -af pattern`` lines of the processes this test session started (directly or not)."""
+    listing = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in listing if _started_by_this_session(int(line.split()[0]))]
+
+
+def leftover_namespaces(before: set) -> set:
+    """Network namespaces created since ``before`` whose owner (``common.tools.netns`` names each after the pid that
+    built it) is gone or belongs to this session: those of other tests or benchmarks running beside it are theirs."""
+    from common.tools.netns import NAMESPACE_PREFIX, list_namespaces
+
+    leftover = set()
+    for name in set(list_namespaces()) - before:
+        owner = re.match(rf"{NAMESPACE_PREFIX}(\d+)-", name)
+        if owner is None or not Path(f"/proc/{owner[1]}").exists() or _started_by_this_session(int(owner[1])):
+            leftover.add(name)
+    return leftover
 
 
 def assert_no_processes_left(run_dir: Path) -> None:

@@ -5,13 +5,15 @@ import json
 
 import pytest
 
-from tests.helpers import FP16_TOLERANCE, ROOT, needs_network_namespaces, run_script
+from common.tools.netns import list_namespaces
+from tests.helpers import FP16_TOLERANCE, ROOT, leftover_namespaces, needs_network_namespaces, run_script
 
 
 @needs_network_namespaces
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_albert_swarm_trains_across_emulated_hosts(tmp_path):
+    before = set(list_namespaces())
     result = run_script(
         "scripts/local_swarm.py",
         "--config",
@@ -40,6 +42,4 @@ def test_albert_swarm_trains_across_emulated_hosts(tmp_path):
     home_log = (tmp_path / "home0" / "peer.log").read_text()
     measured = [line for line in home_log.splitlines() if "bandwidth: declared" in line and "measured" in line]
     assert measured, "home0 did not measure its link"
-    from common.tools.netns import list_namespaces
-
-    assert not [name for name in list_namespaces() if name.startswith("dl")], "network namespaces left behind"
+    assert not leftover_namespaces(before), "network namespaces left behind"

@@ -17,7 +17,7 @@ from common.tools.netns import (
     list_namespaces,
     load_network_setup,
 )
-from tests.helpers import needs_network_namespaces, python_on_host, running
+from tests.helpers import leftover_namespaces, needs_network_namespaces, own_processes, python_on_host, running
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def no_leaked_namespaces():
     before = set(list_namespaces())
     yield
-    leaked = set(list_namespaces()) - before
+    leaked = leftover_namespaces(before)
     assert not leaked, f"namespaces left behind: {leaked}"
 
 
@@ -130,5 +130,4 @@ def test_rate_limited_link_measures_within_15_percent_of_its_limit(tmp_path, no_
     assert measured["upload_mbit"] == pytest.approx(40, rel=0.15)
     assert measured["download_mbit"] == pytest.approx(20, rel=0.15)
     assert "declared up 40.0 / down 20.0 Mbit/s; measured" in result.stderr
-    leftover = subprocess.run(["pgrep", "-f", "measure_link.py --serve"], capture_output=True, text=True)
-    assert not leftover.stdout.strip(), "the probe server outlived the measurement"
+    assert not own_processes("measure_link.py --serve"), "the probe server outlived the measurement"

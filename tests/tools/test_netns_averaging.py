@@ -1,14 +1,13 @@
 """hivemind all-reduce across emulated hosts (common/tools/allreduce.py) and its bandwidth lower bound."""
 
 import csv
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from common.tools import allreduce as benchmark
 from common.tools.netns import HostSpec, list_namespaces
-from tests.helpers import ROOT, needs_network_namespaces, run_script
+from tests.helpers import ROOT, leftover_namespaces, needs_network_namespaces, own_processes, run_script
 
 SCRIPT = "scripts/experiments/averaging_benchmark.py"
 
@@ -49,9 +48,8 @@ def _run_benchmark(tmp_path, setup: Path, *extra):
     small = ["--params", "200000", "--rounds", "2", "--matchmaking-time", "1", "--setup-timeout", "100"]
     result = run_script(SCRIPT, "--setups", str(setup), *small, "--output-dir", str(tmp_path), *extra, timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert set(list_namespaces()) == before, "namespaces left behind"
-    leftover = subprocess.run(["pgrep", "-f", "common.tools.allreduce"], capture_output=True, text=True)
-    assert not leftover.stdout.strip(), "averaging workers outlived the benchmark"
+    assert not leftover_namespaces(before), "namespaces left behind"
+    assert not own_processes("common.tools.allreduce"), "averaging workers outlived the benchmark"
     with (tmp_path / "averaging.csv").open() as handle:
         return list(csv.DictReader(handle)), result.stderr
 

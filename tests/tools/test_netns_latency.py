@@ -6,7 +6,7 @@ import time
 import pytest
 
 from common.tools.netns import EmulatedNetwork, HostSpec, list_namespaces
-from tests.helpers import needs_network_namespaces, python_on_host, running
+from tests.helpers import leftover_namespaces, needs_network_namespaces, own_processes, python_on_host, running
 
 # the server answers one byte per connection; the client times TCP handshakes (1 round trip each) and a
 # request-response (1 more), then streams 3 MB to check the delayed link still carries its rate
@@ -69,9 +69,8 @@ def test_delay_line_adds_the_round_trip_and_keeps_the_rate():
     assert mbit >= 0.5 * 40, mbit  # slow start over 80 ms costs some, but the link still carries its rate
     baseline_handshake_s, _, _ = measure([0.0, 0.0])
     assert baseline_handshake_s < 0.02, baseline_handshake_s  # no delay line: namespaces add ~nothing
-    assert set(list_namespaces()) == before, "namespaces left behind"
-    leftover = subprocess.run(["pgrep", "-f", "common.tools.linkdelay"], capture_output=True, text=True)
-    assert not leftover.stdout.strip(), "a delay line outlived its network"
+    assert not leftover_namespaces(before), "namespaces left behind"
+    assert not own_processes("common.tools.linkdelay"), "a delay line outlived its network"
 
 
 def test_delay_must_be_in_range():
