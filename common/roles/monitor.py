@@ -114,7 +114,6 @@ class Monitor:
         self.checkpoint_dir = Path(config.monitor.checkpoint_dir or self.output_dir / "checkpoints")
         self.history = HistoryWriter(self.output_dir)
         self.aggregator = StepAggregator()
-        self.last_aggregate: Optional[StepAggregate] = None  # for the exported model's card
         resumed = self.history.read()
         if resumed:
             self.aggregator.finished_up_to = resumed[-1]["step"]
@@ -204,7 +203,6 @@ class Monitor:
     def publish_ready(self, flush: bool = False) -> None:
         ready = self.aggregator.pop_ready(flush=flush)
         for aggregate in ready:
-            self.last_aggregate = aggregate
             self.history.write(aggregate)
             self.leaderboard.add(aggregate.to_json())
             self.metrics.log(aggregate)

@@ -123,10 +123,6 @@ class NodeGroup:
     def availability(self) -> float:
         return 1.0 / (1.0 + self.interruptions_per_hour * self.restart_minutes / 60.0)
 
-    @property
-    def link_mbps(self) -> float:
-        return min(self.upload_mbps, self.download_mbps)
-
 
 @dataclass
 class SetupConfig:
