@@ -191,7 +191,12 @@ def main() -> None:
         f"(x{schedule.time_scale:.0f}), peak {max_concurrency(schedule.events)} at once; skipped "
         f"{schedule.sessions_skipped_busy} (all slots busy) and {schedule.sessions_skipped_short} (too short)"
     )
-    started = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "load": load_average()}
+    # the code the peers run is the code at the start (a peer started later imports the files then present)
+    started = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "load": load_average(),
+        "commit": git_commit(),
+    }
     with contextlib.ExitStack() as stack:
         network = None
         if args.emulate_links:
@@ -216,7 +221,8 @@ def main() -> None:
     summary.update(
         command="python scripts/experiments/replay_participation.py " + " ".join(sys.argv[1:]),
         machine=machine_description(),
-        commit=git_commit(),
+        commit_at_start=started["commit"],
+        commit_at_end=git_commit(),
         date=started["date"],
         load_average_at_start=started["load"],
         load_average_at_end=load_average(),
