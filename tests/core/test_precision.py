@@ -16,6 +16,7 @@ from common.config import load_config
 from common.context import RunContext
 from common.errors import ConfigError
 from common.precision import Precision, resolve_precision
+from common.seeding import stable_seed
 from common.trainer import Trainer
 from swav.data import FASHION_MNIST_DIR
 from swav.task import build_task as build_swav
@@ -31,6 +32,17 @@ def test_fp16_without_a_gpu_is_a_one_line_config_error_and_auto_is_fp32():
     assert resolve_precision("auto", CPU) == "fp32"
     assert resolve_precision("fp16", CPU, fp16_on_cpu=True) == "fp16"
     assert resolve_precision("bf16", CPU) == "bf16"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="training.device=auto is the GPU there")
+def test_the_run_context_holds_what_the_config_resolves_to_on_this_machine():
+    context = RunContext.resolve(load_config(TINY_ALBERT, ["training.seed=3"]))
+    assert context.device == CPU and context.precision is Precision.fp32 and not context.precision.loss_scaling
+    assert f"{context.precision}" == "fp32"  # as error lines and result files name it
+    # the data order of a peer is what it was before the run context (peers of both versions meet in one swarm)
+    assert context.stream_seed("peer") == stable_seed(3, "peer")
+    fp16 = RunContext.resolve(load_config(TINY_ALBERT, ["training.precision=fp16", "debug.fp16_on_cpu=true"]))
+    assert fp16.precision is Precision.fp16 and fp16.precision.loss_scaling
 
 
 def test_train_script_rejects_fp16_on_a_cpu_in_one_line(tmp_path):
