@@ -217,13 +217,16 @@ def trainer_hosts(names: Sequence[str], delay_ms: float, offset: int = 0) -> Lis
 
 
 def peer_environment(args) -> Dict[str, str]:
-    """Extra environment of every peer: the lean allocator settings, and the group-size trial's cap (a
-    sitecustomize on the peers' path sets hivemind's averagers' ``target_group_size``; the config has no key)."""
+    """Extra environment of every peer: the lean allocator settings, and the trials' hivemind settings the config
+    has no key for (a sitecustomize on the peers' path applies them: scripts/experiments/hivemind_trials)."""
     environment = dict(LEAN_ENVIRONMENT) if args.lean else {}
     if args.target_group_size:
-        trial = str(ROOT / "scripts/experiments/group_size_trial")
-        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [trial, os.environ.get("PYTHONPATH")]))
         environment["DEDLOC_TARGET_GROUP_SIZE"] = str(args.target_group_size)
+    if getattr(args, "max_state_uploads", None):
+        environment["DEDLOC_MAX_STATE_UPLOADS"] = str(args.max_state_uploads)
+    if "DEDLOC_TARGET_GROUP_SIZE" in environment or "DEDLOC_MAX_STATE_UPLOADS" in environment:
+        trials = str(ROOT / "scripts/experiments/hivemind_trials")
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [trials, os.environ.get("PYTHONPATH")]))
     return environment
 
 
@@ -790,6 +793,8 @@ def storm_main(args, stop: StopFlag) -> None:
             if args.loopback
             else {host.name: f"{host.upload_mbit:g} up / {host.download_mbit:g} down Mbit/s" for host in hosts},
             "load_state_deadline": args.load_state_deadline,
+            "donor_upload_mbit": args.donor_upload_mbit,
+            "max_state_uploads": args.max_state_uploads,
             "aborted": guard.tripped,
             "seconds": {
                 "before": round(storm_start - before_start, 1),
@@ -906,6 +911,12 @@ def parse_arguments() -> argparse.Namespace:
     storm.add_argument("--load-state-deadline", type=float, default=300.0, help="collaboration.load_state_deadline")
     storm.add_argument(
         "--donor-upload-mbit", type=float, default=None, help="every donor's upload cap instead of the paper's mix"
+    )
+    storm.add_argument(
+        "--max-state-uploads",
+        type=int,
+        default=None,
+        help="each peer serves at most this many state downloads at once (common/hivemind_patches/uploads.py)",
     )
     storm.add_argument("--storm-file", default="storm.json", help="the result's file name in --results")
     storm.add_argument("--seed", type=int, default=0, help="the newcomers' start offsets")

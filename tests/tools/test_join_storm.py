@@ -3,11 +3,43 @@ more newcomers than donors, so donors serve several states at once. Every newcom
 contributes, no download fails or runs past the deadline, the donors keep stepping through the storm, and nothing is
 left running. The run waits for events (donors stepping, newcomers in a global step), not for fixed windows."""
 
+import asyncio
 import json
+from typing import get_type_hints
 
 import pytest
+from hivemind.averaging.averager import DecentralizedAverager
 
+from common.hivemind_patches.patcher import Patcher
+from common.hivemind_patches.uploads import limit_concurrent_state_uploads
 from tests.helpers import assert_no_processes_left, run_script
+
+
+def test_a_donor_serves_at_most_the_limit_and_turns_the_rest_away_at_once():
+    async def serve_three_parts(self, request, context):
+        for part in range(3):
+            yield part
+
+    patcher = Patcher()
+    patcher.replace(DecentralizedAverager, "rpc_download_state", serve_three_parts)  # stands for hivemind's
+    limit_concurrent_state_uploads(patcher, max_uploads=1)
+    try:
+        donor = object.__new__(DecentralizedAverager)
+        hints = get_type_hints(DecentralizedAverager.rpc_download_state)  # what hivemind registers the handler by
+        assert "AsyncIterator" in str(hints["return"]) and "DownloadRequest" in str(hints["request"])
+
+        async def scenario():
+            first = DecentralizedAverager.rpc_download_state(donor, None, None)
+            assert await first.__anext__() == 0  # serving one newcomer
+            assert [part async for part in DecentralizedAverager.rpc_download_state(donor, None, None)] == []
+            await first.aclose()  # that newcomer gave up mid-stream: its slot is free again
+            assert [part async for part in DecentralizedAverager.rpc_download_state(donor, None, None)] == [0, 1, 2]
+
+        asyncio.run(scenario())
+    finally:
+        patcher.undo()
+    with pytest.raises(ValueError, match="max_uploads"):
+        limit_concurrent_state_uploads(Patcher(), 0)
 
 
 @pytest.mark.slow
