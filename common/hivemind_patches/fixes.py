@@ -5,6 +5,11 @@ Each function either is a process-wide patch taking a :class:`Patcher` (installe
 one ``hivemind.Optimizer`` (called by ``common.optimizer.make_collaborative_optimizer``). Each docstring says what
 is wrong, whether hivemind's master fixes it, and when to remove the patch; the regression tests named in
 ``common/README.md``'s patch table fail with the patch disabled.
+
+"Upstream" was read from hivemind's master at 4bd43b7 (2026-01-05, the newest commit; version 1.2.0.dev0) for
+issue 40: every file these fixes replace code of is byte-identical to 1.1.12's there except ``p2p_daemon.py`` (only
+how it finds the p2pd binary differs) and ``quantization.py`` (the numpy-2 fix). No upstream issue or pull request
+was found for any fault below unless one is named.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
     Fixes: a partial all-reduce can hand every peer of a round the same non-finite average (hivemind divides a part
     by the total weight it received, 0 when only zero-weight peers got through), which the optimizer would apply.
     Skipped as an AMP grad scaler skips, every peer's parameters stay finite and identical.
-    Upstream: unchanged on master as far as known (no issue found). Per optimizer (``make_collaborative_optimizer``).
+    Upstream: unchanged on master (``TensorPartReducer`` divides by the weight it received, unchecked). Per
+    optimizer (``make_collaborative_optimizer``).
     Remove when the all-reduce never divides by a zero weight.
     """
     if not _in_force("skip_nonfinite_steps"):
@@ -75,7 +81,8 @@ def client_mode_argument(dht: hivemind.DHT) -> Optional[bool]:
 
     Fixes: ``Optimizer.__init__`` inverts its ``None`` check (``client_mode if client_mode is None else
     dht.client_mode``), so left at its default a client-mode trainer runs as a full peer and crashes at its first
-    epoch (state sharing on a client averager). Upstream: still inverted on master. Remove when fixed there.
+    epoch (state sharing on a client averager). Upstream: still inverted on master (``optimizer.py`` line 205).
+    Remove when fixed there.
     """
     return dht.client_mode if _in_force("client_mode_argument") else None
 
@@ -88,8 +95,8 @@ def grad_buffers_for_scaler(uses_grad_scaler: bool, use_local_updates: bool) -> 
     separate accumulators those hold only the last micro-batch, so the accumulated gradients are averaged and
     applied still multiplied by the loss scale. With ``reuse_grad_buffers`` the ``.grad`` buffers are the
     accumulators. hivemind forbids it with local updates, which unscale every micro-batch anyway.
-    Upstream: unchanged as far as known (not checked against master). Remove when ``GradScaler`` unscales the
-    accumulators.
+    Upstream: unchanged on master; ``hivemind.GradScaler``'s docstring says it is made for
+    ``reuse_grad_buffers=True``, but nothing enforces it. Remove when ``GradScaler`` unscales the accumulators.
     """
     if not _in_force("grad_buffers_for_scaler"):
         return False  # hivemind's default
@@ -197,7 +204,9 @@ def deliver_whole_streams(patcher: Patcher) -> None:
                     while True:
                         try:
                             response, error = await P2P.receive_protobuf(output_protobuf_type, reader)
-                        except asyncio.IncompleteReadError:
+                        except (asyncio.IncompleteReadError, ConnectionError):
+                            # a broken connection reaches the reader as the error of whichever side hit it first: a
+                            # BrokenPipeError when our end marker's write did (asyncio sets it on the reader too)
                             raise StreamCutShort(
                                 f"the stream of handler `{name}` at {peer_id} ended before its end marker: the peer "
                                 "stopped or its connection broke mid-stream"
@@ -365,7 +374,7 @@ def close_averager_p2p_on_shutdown(patcher: Patcher) -> None:
     Fixes: ``DecentralizedAverager._shutdown`` never shuts down the averager's replica of the DHT's ``P2P``, and the
     process ends without finalizers, so its Unix socket ``/tmp/hivemind-p2pclient-<id>.sock`` stays behind (two per
     trainer per run). The replica has no daemon of its own, so closing it touches nothing the DHT process uses.
-    Upstream: not checked against master. Remove when the averager closes its replica.
+    Upstream: unchanged on master. Remove when the averager closes its replica.
     """
     from hivemind.averaging.averager import DecentralizedAverager
 
@@ -390,7 +399,8 @@ def finish_abandoned_executor_maps(patcher: Patcher) -> None:
     in its ``finally``. When a stream is dropped mid-transfer, the generator, its blocked producer and their queue
     refer only to each other; the garbage collector finalizes the producer while still pending ("Task was destroyed
     but it is pending!", plus "Future exception was never retrieved" for what it queued). Here each producer is
-    kept in a set until done, and closing the map retrieves whatever it queued. Upstream: unchanged on master.
+    kept in a set until done, and closing the map retrieves whatever it queued. Upstream: unchanged on master
+    (learning-at-home/hivemind#427, in 1.1.12, fixed the producer of a map that ran to its end, not this).
     Remove when ``amap_in_executor`` holds its producer.
     """
     from hivemind.averaging import allreduce, partition
@@ -474,8 +484,9 @@ def read_8bit_tensors_with_numpy_2(patcher: Patcher) -> None:
 
     Fixes: hivemind 1.1.12 parses the codebook size with ``int(np.frombuffer(..., count=1))``, an error in numpy 2:
     every reducer fails to read every part, and ``uniform8bit`` / ``blockwise8bit`` rounds end with partial
-    averages or time out. Same layout and arithmetic, header read with an index. Upstream: fixed on master after
-    1.1.12, not in a release yet. Remove when the pinned release has it.
+    averages or time out. Same layout and arithmetic, header read with an index. Upstream: fixed on master by
+    learning-at-home/hivemind#670 (4bd43b7, ``.item()``), not in a release yet. Remove when the pinned release has
+    it.
     """
     from hivemind.compression.quantization import (
         _BLOCKWISE_QUANTIZATION_BLOCKSIZE,
@@ -525,7 +536,7 @@ def report_vanished_handle_senders(patcher: Patcher) -> None:
     averager shutting down) exits mid-handoff, the fetch ends in ``EOFError``, which ``DHT.run`` does not catch
     (it catches connection errors): the DHT process dies with a traceback. Reported as the connection error it is,
     ``DHT.run`` logs it and goes on serving. Patches the standard library's ``resource_sharer.DupFd.detach``.
-    Upstream: not checked against master. Remove when ``DHT.run`` survives any error of one request.
+    Upstream: unchanged on master. Remove when ``DHT.run`` survives any error of one request.
     """
     from multiprocessing import resource_sharer
 
@@ -550,7 +561,7 @@ def identity_check_uses_the_start_timeout(patcher: Patcher) -> None:
     Fixes: ``P2P.create`` checks that an existing identity is free by starting a second, anonymous daemon, and
     starts that one with the fixed default of 15 s whatever ``startup_timeout`` it was given: on a busy machine the
     check alone failed restarts ("Daemon failed to start in 15.0 seconds") although
-    ``network.daemon_start_timeout`` was 60 s. Upstream: not checked against master. Remove when
+    ``network.daemon_start_timeout`` was 60 s. Upstream: unchanged on master. Remove when
     ``is_identity_taken`` receives the timeout.
     """
     from hivemind.p2p.p2p_daemon import P2P
@@ -599,7 +610,7 @@ def servicers_collect_their_own_handlers(patcher: Patcher) -> None:
     ``DecentralizedAverager`` in the same process) then registers its handlers under its own class name but calls
     its peers through the parent's stub, under the parent's name: every call fails with "protocols not supported",
     so such a process never averages or serves state. A trainer process creates its averagers in an order that
-    escapes this; a test process running several tests does not. Upstream: not checked against master. Remove when
+    escapes this; a test process running several tests does not. Upstream: unchanged on master. Remove when
     the cache is looked up in the class's own ``__dict__``.
     """
     from hivemind.p2p.servicer import ServicerBase
@@ -614,6 +625,40 @@ def servicers_collect_their_own_handlers(patcher: Patcher) -> None:
     patcher.replace(ServicerBase, "_collect_rpc_handlers", classmethod(collect_for_this_class))
 
 
+def finish_progress_tracker_tasks(patcher: Patcher) -> None:
+    """End a ``ProgressTracker``'s thread with no task left pending and its event loop closed.
+
+    Fixes: ``ProgressTracker.run`` runs its reporter and fetcher until shutdown and returns as soon as both have,
+    leaving tasks they started pending (the last DHT store, which the reporter cancels only as it returns; the
+    fetcher's shutdown watcher and its last DHT get) in a loop it never closes. When the garbage collector takes
+    that loop, asyncio logs "Task was destroyed but it is pending!" for each, in whatever test or step is running
+    then, and the loop's default executor thread is not shut down. Here the thread finishes as ``asyncio.run``
+    does: it cancels what is left, waits for it, shuts the executor down and closes the loop. Every in-process
+    ``hivemind.Optimizer`` has a tracker. Upstream: unchanged on master. Remove when the tracker closes its loop.
+    """
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    def run(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(asyncio.gather(self._progress_reporter(), self._progress_fetcher()))
+        finally:
+            try:
+                left = asyncio.all_tasks(loop)
+                for task in left:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+                if self.shutdown_triggered.is_set():  # what the executor's threads wait for is then set
+                    loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
+                self.shutdown_complete.set()
+
+    patcher.replace(ProgressTracker, "run", run)
+
+
 # (name, function) in the order ``install`` applies them
 PROCESS_WIDE = (
     ("deliver_whole_streams", deliver_whole_streams),
@@ -626,6 +671,7 @@ PROCESS_WIDE = (
     ("report_vanished_handle_senders", report_vanished_handle_senders),
     ("identity_check_uses_the_start_timeout", identity_check_uses_the_start_timeout),
     ("servicers_collect_their_own_handlers", servicers_collect_their_own_handlers),
+    ("finish_progress_tracker_tasks", finish_progress_tracker_tasks),
 )
 
 # (name, function) of the fixes that adapt one ``hivemind.Optimizer`` (``common.optimizer``); ``install`` only puts

@@ -435,7 +435,8 @@ def gradient_rounds_start_at_the_update(optimizer: hivemind.Optimizer) -> None:
     overlaps the last micro-batches. Also, where hivemind would apply the trainer's own gradients as the average
     because the only control it holds is the previous step's ("Not using pre-scheduled group for state
     averaging"), that control is dropped and a round starts. A timing policy over a hivemind fault (the shared
-    event); measurements: paper_results/core/hivemind_patches.md. Per optimizer, ``dpu`` only.
+    event, unchanged on master 4bd43b7); measurements: paper_results/core/hivemind_patches.md. Per optimizer,
+    ``dpu`` only.
     """
 
     def maybe_schedule_gradient_averaging(self: hivemind.Optimizer) -> None:

@@ -13,6 +13,7 @@ from common.config import CollaborationConfig
 from common.hivemind_compat import catch_up_one_step_behind
 from common.optimizer import make_collaborative_optimizer
 from tests.helpers import OneWeightTask
+from tests.leftovers import leaves_nothing_behind  # noqa: F401 (the fixture, for usefixtures)
 
 
 def swarm_progress(global_epoch: int) -> SimpleNamespace:
@@ -61,6 +62,7 @@ def test_off_by_default():
     assert CollaborationConfig().catch_up_one_step_behind is False
 
 
+@pytest.mark.usefixtures("leaves_nothing_behind")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("catch_up", [False, True])
 def test_the_setting_reaches_the_optimizer(catch_up):

@@ -31,6 +31,7 @@ from common.optimizer import (
     outer_momentum_tensors,
 )
 from tests.helpers import TINY_ALBERT, OneWeightTask
+from tests.leftovers import leaves_nothing_behind  # noqa: F401 (the fixture, for usefixtures)
 
 
 @pytest.mark.parametrize(
@@ -127,6 +128,7 @@ def fingerprints(**collab) -> RunFingerprints:
     return RunFingerprints("model", averaging=averaging_settings(CollaborationConfig(**collab)))
 
 
+@pytest.mark.usefixtures("leaves_nothing_behind")
 @pytest.mark.timeout(60)
 def test_peers_with_other_diloco_settings_are_refused_with_one_line():
     with local_dht() as dht:
@@ -156,6 +158,7 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.usefixtures("leaves_nothing_behind")
 @pytest.mark.timeout(120)
 def test_a_lone_trainer_takes_an_outer_step_every_inner_steps_global_steps():
     """A real DiLoCoOptimizer, alone: inner SGD (lr 1) on every micro-batch, an outer step every 2 global steps."""
@@ -219,6 +222,7 @@ def make_state_holder(
     return averager
 
 
+@pytest.mark.usefixtures("leaves_nothing_behind")
 @pytest.mark.timeout(120)
 def test_a_joiner_downloads_outer_parameters_and_momentum_and_a_checkpoint_keeps_them():
     install_hivemind_patches()  # as every peer does before its averagers are forked

@@ -14,6 +14,7 @@ from common.config import CollaborationConfig, Semantics
 from common.hivemind_compat import gradient_rounds_start_at_the_update
 from common.optimizer import make_collaborative_optimizer
 from tests.helpers import OneWeightTask
+from tests.leftovers import leaves_nothing_behind  # noqa: F401 (the fixture, for usefixtures)
 
 MATCHMAKING_SECONDS = 2.0
 
@@ -95,6 +96,7 @@ def test_a_scheduled_round_is_the_one_started():
     assert optimizer.grad_averager.started == [scheduled]
 
 
+@pytest.mark.usefixtures("leaves_nothing_behind")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("semantics, patched", [(Semantics.sync, False), (Semantics.dpu, True)])
 def test_dpu_optimizers_get_it(semantics, patched):

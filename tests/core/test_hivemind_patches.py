@@ -7,6 +7,8 @@ the patch table in common/README.md for which test belongs to which fix)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import gc
 import time
 from types import SimpleNamespace
 from typing import AsyncIterator
@@ -17,6 +19,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.compression.quantization import Quantization
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.p2p.servicer import ServicerBase
 from hivemind.proto import averaging_pb2, dht_pb2
@@ -24,7 +27,8 @@ from hivemind.proto import averaging_pb2, dht_pb2
 from common import hivemind_patches
 from common.config import NetworkConfig
 from common.dht import start_dht
-from common.hivemind_patches.fixes import client_mode_argument, grad_buffers_for_scaler
+from common.hivemind_patches.fixes import StreamCutShort, client_mode_argument, grad_buffers_for_scaler
+from tests.leftovers import leaves_nothing_behind  # noqa: F401 (the fixture, for usefixtures)
 
 
 class _Stop(Exception):
@@ -152,6 +156,48 @@ def test_the_identity_check_starts_its_daemon_with_the_callers_timeout(tmp_path)
     assert calls[1].get("startup_timeout") == 42.0
 
 
+class _Discard:
+    """A stream's writer whose bytes go nowhere."""
+
+    def write(self, data):
+        pass
+
+    async def drain(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_stream_broken_while_this_side_writes_is_cut_short():
+    """The fix ``deliver_whole_streams``: when a server dies mid-stream, the caller's write of its end marker can
+    hit the broken pipe before its read sees the end of the stream; asyncio then gives the reader that
+    BrokenPipeError, which must read as a stream cut short as an early end does (this failed
+    ``test_state_integrity.py::test_a_stream_whose_server_dies_mid_stream_raises_instead_of_ending`` once in the
+    fast tier). No daemon: the stream is an asyncio reader holding that error. ``--without-patch
+    deliver_whole_streams`` fails it (hivemind's reader raises the BrokenPipeError itself)."""
+
+    async def call() -> None:
+        reader = asyncio.StreamReader()
+        reader.set_exception(BrokenPipeError(32, "Broken pipe"))
+
+        class Caller:
+            async def call_binary_stream_handler(self, peer_id, name):
+                return None, reader, _Discard()
+
+        async def no_requests():
+            yield averaging_pb2.DownloadRequest()
+
+        stream = await P2P._iterate_protobuf_stream_handler(
+            Caller(), PeerID(b"server"), "handler", no_requests(), averaging_pb2.DownloadData
+        )
+        async for _ in stream:
+            pass
+
+    with pytest.raises(StreamCutShort, match="ended before its end marker"):
+        asyncio.run(call())
+
+
 def test_a_client_mode_peer_builds_its_optimizer_in_client_mode():
     """The fix ``client_mode_argument``: ``hivemind.Optimizer`` inverts its ``None`` check, so a client-mode DHT with
     ``client_mode`` left at its default gives a full peer. Nothing starts: the constructor is stopped right after it
@@ -180,6 +226,7 @@ def test_a_client_mode_peer_builds_its_optimizer_in_client_mode():
     assert decided == [True]
 
 
+@pytest.mark.usefixtures("leaves_nothing_behind")
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_an_fp16_step_applies_the_unscaled_average_of_every_micro_batch():
@@ -218,6 +265,54 @@ def test_an_fp16_step_applies_the_unscaled_average_of_every_micro_batch():
         dht.shutdown()
 
 
+class _Pending(concurrent.futures.Future):
+    """A DHT request that is never answered (a busy DHT process), awaitable as hivemind's MPFuture is."""
+
+    def __await__(self):
+        return asyncio.wrap_future(self).__await__()
+
+
+class _SilentDHT:
+    """Answers the tracker's first read (its constructor's) and no request after it."""
+
+    client_mode = False
+    peer_id = PeerID(b"silent")
+
+    def __init__(self):
+        self.requests = []
+
+    def add_validators(self, validators):
+        pass
+
+    def get(self, key, latest=False, return_future=False):
+        self.requests.append("get")
+        return _Pending() if return_future else None
+
+    def store(self, *args, return_future=False, **kwargs):
+        self.requests.append("store")
+        return _Pending()
+
+
+@pytest.mark.timeout(30)
+def test_a_progress_tracker_leaves_no_task_pending_when_it_shuts_down(caplog):
+    """The fix ``finish_progress_tracker_tasks``: hivemind's tracker thread returns with its last DHT requests still
+    pending in a loop it never closes; asyncio logs each as destroyed whenever that loop is collected. No process
+    starts. ``--without-patch finish_progress_tracker_tasks`` fails it."""
+    dht = _SilentDHT()
+    tracker = ProgressTracker(dht, "leaks", 4, min_refresh_period=0.01, default_refresh_period=0.01, start=True)
+    tracker.report_local_progress(local_epoch=0, samples_accumulated=2)
+    deadline = time.monotonic() + 10
+    while dht.requests.count("get") < 2 or "store" not in dht.requests:  # a fetch and a report under way
+        assert time.monotonic() < deadline, dht.requests
+        time.sleep(0.01)
+    tracker.shutdown(timeout=10)
+    tracker.join(timeout=10)
+    assert not tracker.is_alive()
+    del tracker
+    gc.collect()
+    assert "Task was destroyed but it is pending" not in caplog.text
+
+
 class _Averager(DecentralizedAverager):
     """One class for the donor and the receiver: a peer asks for the handlers of its own class's name."""
 
@@ -235,6 +330,7 @@ class _Averager(DecentralizedAverager):
             yield message
 
 
+@pytest.mark.usefixtures("leaves_nothing_behind")
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_state_download_corrupted_in_transit_is_refused():
