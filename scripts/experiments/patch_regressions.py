@@ -28,6 +28,7 @@ REGRESSION_TESTS = {
     "deliver_whole_streams": [
         "tests/core/test_whole_streams.py",
         "tests/core/test_state_integrity.py::test_a_stream_whose_server_dies_mid_stream_raises_instead_of_ending",
+        "tests/core/test_hivemind_patches.py::test_a_stream_broken_while_this_side_writes_is_cut_short",
     ],
     "verify_state_downloads": [
         "tests/core/test_hivemind_patches.py::test_a_state_download_corrupted_in_transit_is_refused"
