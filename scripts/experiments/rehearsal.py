@@ -289,6 +289,27 @@ def steps_done(folder: Path) -> int:
     return max((json.loads(line)["step"] + 1 for line in lines if line.strip()), default=0)
 
 
+def compare_late_joiner(folder: Path) -> str:
+    """The joiner's final weights against a state of the same global step: a trainer's final weights or one of
+    the monitor's checkpoints (peers stopped together can end a step apart: one finishes a step while stopping)."""
+    late_steps = json.loads((folder / "late" / "summary.json").read_text())["global_steps"]
+    late = read_state_file(folder / "late" / "final_model.pt")
+    candidates = {}
+    for name in ("trainer0", "trainer1"):
+        steps = json.loads((folder / name / "summary.json").read_text())["global_steps"]
+        candidates.setdefault(steps, (name, lambda name=name: read_state_file(folder / name / "final_model.pt")))
+    for path in list_checkpoints(folder / "monitor" / "checkpoints"):
+        candidates.setdefault(
+            checkpoint_step(path), (f"monitor's {path.name}", lambda path=path: read_state_file(path)["model"])
+        )
+    if late_steps not in candidates:
+        return f"no state of step {late_steps} to compare with (have {sorted(candidates)})"
+    name, load = candidates[late_steps]
+    reference = load()
+    names = [key for key, value in reference.items() if value.is_floating_point()]
+    return f"{max_abs_diff(late, reference, names):.3g} (vs {name})"
+
+
 def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: float, row: dict) -> None:
     """Monitor + 2 trainers take ``steps`` global steps and go on; once the monitor holds a checkpoint of step 1 or
     later, the late joiner starts, downloads the state from the running swarm and takes a step with it; then the
@@ -382,15 +403,9 @@ def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout:
     if late_ok and loaded is not None:
         alive = "from the running swarm" if trainers_alive_when_loaded == [True] else "after the trainers left"
         late_steps = json.loads((folder / "late" / "summary.json").read_text())["global_steps"]
-        reference_steps = json.loads((folder / "trainer0" / "summary.json").read_text())["global_steps"]
         row["late_joiner"] = f"loaded step {loaded} {alive}, trained to step {late_steps}"
         row["late_joiner_step"] = late_steps
-        late = read_state_file(folder / "late" / "final_model.pt")
-        reference = read_state_file(folder / "trainer0" / "final_model.pt")
-        names = [name for name, value in reference.items() if value.is_floating_point()]
-        difference = f"{max_abs_diff(late, reference, names):.3g}"
-        same = late_steps == reference_steps
-        row["late_joiner_max_abs_diff"] = difference if same else f"{difference} (trainer0 at step {reference_steps})"
+        row["late_joiner_max_abs_diff"] = compare_late_joiner(folder)
         if trainers_alive_when_loaded != [True]:
             problems.append("the late joiner loaded the state after the trainers left")
         if late_steps <= loaded:
