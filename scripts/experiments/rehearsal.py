@@ -572,7 +572,8 @@ def main() -> None:
         facts["rows"] = list(rows.values())
         json_path.write_text(json.dumps(facts, indent=2) + "\n")
         with csv_path.open("w", newline="") as stream:
-            writer = csv.DictWriter(stream, fieldnames=[*COLUMNS, "overrides", "machine", "date", "commit", "command"])
+            fields = [*COLUMNS, "overrides", "machine", "date", "commit", "command"]
+            writer = csv.DictWriter(stream, fieldnames=fields, extrasaction="ignore")  # notes stay in the JSON
             writer.writeheader()
             writer.writerows(rows.values())
 
