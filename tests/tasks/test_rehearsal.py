@@ -1,5 +1,6 @@
 """The dress rehearsal of the paper configs (scripts/experiments/rehearsal.py): its pieces, its bad input, and -- on
-request, it takes ~10 minutes on a loaded 2-core machine -- the cheapest config's whole rehearsal."""
+request -- the cheapest config's whole rehearsal (SwAV: 202 s for the script alone with the machine's memory to itself
+at load average 18, 2026-12-07, paper_results/fullscale: over the ~3 minutes a CI test may cost here)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def test_unknown_rehearsal_is_one_line_error(tmp_path):
 @needs_fashion_mnist
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-@pytest.mark.skipif(os.environ.get("DEDLOC_REHEARSAL") != "1", reason="about 10 minutes: set DEDLOC_REHEARSAL=1")
+@pytest.mark.skipif(os.environ.get("DEDLOC_REHEARSAL") != "1", reason="about 4 minutes: set DEDLOC_REHEARSAL=1")
 def test_swav_rehearsal_checkpoints_exports_and_serves_a_late_joiner(tmp_path):
     result = run_script(
         str(SCRIPT),
@@ -83,4 +84,4 @@ def test_swav_rehearsal_checkpoints_exports_and_serves_a_late_joiner(tmp_path):
     assert row["batchnorm_trained"].startswith("yes")
     # the joiner downloaded the state from the running trainers and ended a step later, on their weights
     assert "from the running swarm" in row["late_joiner"], row["late_joiner"]
-    assert int(row["late_joiner_step"]) >= 2 and float(row["late_joiner_max_abs_diff"]) < 1e-2
+    assert int(row["late_joiner_step"]) >= 3 and float(row["late_joiner_max_abs_diff"].split()[0]) < 1e-2
