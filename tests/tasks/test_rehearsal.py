@@ -84,4 +84,4 @@ def test_swav_rehearsal_checkpoints_exports_and_serves_a_late_joiner(tmp_path):
     assert row["batchnorm_trained"].startswith("yes")
     # the joiner downloaded the state from the running trainers and ended a step later, on their weights
     assert "from the running swarm" in row["late_joiner"], row["late_joiner"]
-    assert int(row["late_joiner_step"]) >= 3 and float(row["late_joiner_max_abs_diff"].split()[0]) < 1e-2
+    assert int(row["late_joiner_step"]) >= 2 and float(row["late_joiner_max_abs_diff"].split()[0]) < 1e-2
