@@ -52,7 +52,24 @@ def _process_wide(thread: threading.Thread) -> bool:
 
 def _process_wide_child(child: psutil.Process) -> bool:
     """torch's shared-memory manager: one per process, started by the first tensor shared with another process."""
-    return child.name() == "torch_shm_manager"
+    try:
+        return child.name() == "torch_shm_manager"
+    except psutil.Error:
+        return False
+
+
+def _still_running(child: psutil.Process) -> bool:
+    try:
+        return child.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # it ended since it was listed
+        return False
+
+
+def _command(child: psutil.Process) -> str:
+    try:
+        return " ".join(child.cmdline()[:3])
+    except psutil.Error:
+        return "ended while being named"
 
 
 @pytest.fixture
@@ -73,19 +90,14 @@ def leaves_nothing_behind():
                 for thread in threading.enumerate()
                 if thread not in threads_before and thread.is_alive() and not _process_wide(thread)
             ]
-            children = [
-                child
-                for child in me.children(recursive=True)
-                if child.pid not in children_before
-                and child.status() != psutil.STATUS_ZOMBIE
-                and not _process_wide_child(child)
-            ]
+            children = [child for child in me.children(recursive=True) if child.pid not in children_before]
+            children = [child for child in children if _still_running(child) and not _process_wide_child(child)]
             if not (threads or children) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         gc.collect()  # a loop dropped meanwhile reports its pending tasks as it is collected
         left = [f"thread {thread.name}" for thread in threads]
-        left += [f"process {child.pid} ({' '.join(child.cmdline()[:3])})" for child in children]
+        left += [f"process {child.pid} ({_command(child)})" for child in children]
         left += [f"asyncio: {message}" for message in records.messages]
         assert not left, "the test left behind: " + "; ".join(left)
     finally:
