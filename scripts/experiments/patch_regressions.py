@@ -4,8 +4,9 @@ write what happened: the test must pass with the fix and fail without it (common
     .venv/bin/python scripts/experiments/patch_regressions.py --output paper_results/core/patch_regressions.json
     .venv/bin/python scripts/experiments/patch_regressions.py --only finish_progress_tracker_tasks --output x.json
 
-Each run is one pytest process (the patches are installed once per process), so a run takes its test's time plus
-about 10 s of imports on 2 cores. Multi-process tests among them: run it under ``flock /work/heavy.lock``.
+It tests the checkout it lies in (a clone with /work/main's .venv linked tests the clone). Each run is one pytest
+process (the patches are installed once per process), so a run takes its test's time plus about 10 s of imports on 2
+cores. Multi-process tests among them: run it under ``flock /work/heavy.lock``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common.tools.provenance import ROOT, git_commit, load_average, machine_description
+CHECKOUT = Path(__file__).resolve().parents[2]
+# this checkout's code and commit, not those of the checkout the virtual environment has installed (a clone shares
+# /work/main's .venv); pytest runs here too
+sys.path.insert(0, str(CHECKOUT))
+
+from common.tools.provenance import ROOT, git_commit, load_average, machine_description  # noqa: E402
 
 logger = logging.getLogger("patch_regressions")
 
