@@ -56,9 +56,9 @@ def require_pinned_hivemind() -> None:
 
 
 def install(without: Collection[str] = ()) -> None:
-    """Apply every process-wide patch, once per process (later calls do nothing). ``without``: patches to leave
-    out, for a regression check (``pytest --without-patch NAME``); the software fingerprint then names them, so
-    such a peer is refused by the others."""
+    """Apply every process-wide patch and put the per-optimizer fixes in force, once per process (later calls do
+    nothing). ``without``: patches to leave out, for a regression check (``pytest --without-patch NAME``); the
+    software fingerprint then names them, so such a peer is refused by the others."""
     global _installed
     if _installed is not None:
         return
