@@ -45,6 +45,7 @@ from common.optimizer import averaged_buffers
 from common.swarm import LocalSwarm
 from common.task import EXPORT_DIR
 from common.tools.comparison import torchrun_command
+from common.tools.provenance import load_average
 
 logger = logging.getLogger("rehearsal")
 ROOT = Path(__file__).resolve().parents[2]
@@ -549,7 +550,7 @@ def main() -> None:
         row["peers"] = (
             "2 DDP workers" if rehearsal.ddp else "monitor + 2 trainers" + (" + aux" if rehearsal.auxiliary else "")
         )
-        started = time.monotonic()
+        started, load_before = time.monotonic(), load_average()
         logger.info(f"{name}: preparing data")
         try:
             prep_overrides = [override for override in overrides if not override.startswith("training.max_global")]
@@ -564,6 +565,7 @@ def main() -> None:
             logger.exception(f"{name} failed")
             row["status"] = f"failed: {type(error).__name__}: {error}"[:300]
         row["wall_s"] = round(time.monotonic() - started)
+        row["load_average_before_after"] = [load_before, load_average()]
         row.pop("steps_target", None)
         row["overrides"] = " ".join(overrides)
         row.update(machine=facts["machine"], date=facts["date"], commit=facts["commit"], command=facts["command"])
