@@ -1,5 +1,6 @@
 """ALBERT task: the paper-scale model and optimizer build on CPU; data building blocks behave."""
 
+import pickle
 import random
 
 import hivemind
@@ -121,8 +122,12 @@ def test_examples_are_unpadded_and_the_same_whatever_the_number_of_build_process
     input_ids, attention_mask, token_type_ids = dataset.padded(torch.arange(count))
     first = int(alone["offsets"][1])
     tokens = alone["tokens"][:first].tolist()
-    assert dataset.batch([3, 4], 1)["input_ids"].equal(
-        SopDataset(shared, ids, 0.15, 0, 64).batch([3, 4], 1)["input_ids"]
+    mapped = SopDataset(shared, ids, 0.15, 0, 64, folder=tmp_path / "ex")
+    assert dataset.batch([3, 4], 1)["input_ids"].equal(mapped.batch([3, 4], 1)["input_ids"])
+    # a copy for a loader worker process maps the files again instead of carrying the arrays
+    shipped = pickle.dumps(mapped)
+    assert len(shipped) < 2000 and pickle.loads(shipped).batch([3, 4], 1)["labels"].equal(
+        mapped.batch([3, 4], 1)["labels"]
     )
     split = int(alone["first_segment"][0])
     reference = albert_data._pack(tokens[1 : split - 1], tokens[split:-1], 0, 64, ids)
