@@ -13,7 +13,8 @@ from typing import List
 
 import pytest
 
-from tests.helpers import ROOT, read_jsonl
+from common.config import load_config
+from tests.helpers import ROOT, TINY_ALBERT, read_jsonl
 
 FRESH_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
 NOISE = ("Traceback", "[ERROR]", " ERROR ", "ModuleNotFoundError")
@@ -61,8 +62,18 @@ def test_every_python_entry_point_the_readme_shows_starts_in_a_fresh_shell(tmp_p
         assert not any(marker in log.read_text() for marker in NOISE), log.read_text()[-2000:]
 
 
+def wait_while_running(processes: dict, condition, seconds: float, log: Path) -> None:
+    """Until ``condition()`` holds, for at most ``seconds``, while every process keeps running."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        for name, process in processes.items():
+            assert process.poll() is None, f"{name} exited: " + log.with_name(f"{name}.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        time.sleep(2)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_the_collaboration_block_runs_verbatim(tmp_path):
     """The README's "Running a real collaboration" block, line by line as printed, in a folder laid out like a
     clone (the repository's files linked, its own outputs/): the monitor starts, a trainer and an auxiliary peer
@@ -84,13 +95,18 @@ def test_the_collaboration_block_runs_verbatim(tmp_path):
         assert addresses.exists(), (tmp_path / "monitor.log").read_text()[-3000:]
         processes["trainer"] = fresh_shell(block[1], clone, tmp_path / "trainer.log")
         processes["aux"] = fresh_shell(block[2], clone, tmp_path / "aux.log")
+        # The block starts one trainer of the tiny config's three: it waits out the start barrier by design, after
+        # building its examples if no earlier test did; the global step is awaited from the barrier on.
+        trainer_log = tmp_path / "trainer.log"
+        barrier = load_config(TINY_ALBERT).collaboration.start_barrier_timeout
+        wait_while_running(
+            processes,
+            lambda: re.search("start barrier (passed|timed out)", trainer_log.read_text(errors="replace")),
+            barrier + 300,
+            trainer_log,
+        )
         history = clone / "outputs/albert_tiny/history.jsonl"
-        deadline = time.monotonic() + 240
-        while not read_jsonl(history) and time.monotonic() < deadline:
-            for name, process in processes.items():
-                assert process.poll() is None, (tmp_path / f"{name}.log").read_text()[-3000:]
-            time.sleep(2)
-        assert read_jsonl(history), (tmp_path / "trainer.log").read_text()[-3000:]
+        wait_while_running(processes, lambda: bool(read_jsonl(history)), 240, trainer_log)
     finally:
         for process in processes.values():
             if process.poll() is None:
