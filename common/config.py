@@ -121,6 +121,16 @@ class CollaborationConfig:
     # share late, e.g. on a busy CPU, needs more; a crashed one is then dropped that much later
     next_chunk_timeout: Optional[float] = None
     average_state_every: int = 1
+    # the most peers one averaging round (gradients, parameters, diloco's pseudo-gradients) holds: a larger
+    # matchmaking splits into groups of at most this many, each averaging on its own (hivemind's target_group_size;
+    # it recommends a power of two such as 16). None: no cap, a group is whoever matched within matchmaking_time.
+    # On a swarm of up to 16 peers leave it unset (paper_results/scale: a cap of 4 at 8 peers only split groups)
+    target_group_size: Optional[int] = None
+    # the most state downloads (newcomers, peers that fell behind) this peer serves at once; a request beyond them
+    # is turned away at once and its peer asks the next one (common/hivemind_patches/uploads.py, hivemind#169).
+    # None: no limit (hivemind's behaviour). On a slow uplink (a few Mbit/s) 1 keeps one download going at a time
+    # instead of several that all stall (paper_results/scale, the slow-donor storms)
+    max_concurrent_state_uploads: Optional[int] = None
     # a trainer one step behind the swarm right after its own update catches up by stepping instead of downloading
     # the swarm's state and dropping its accumulated gradients (common/hivemind_compat.catch_up_one_step_behind);
     # measured over three seeds with dpu and sync semantics: it keeps every trainer in nearly every gradient round
@@ -163,6 +173,15 @@ class CollaborationConfig:
             "collaboration.next_chunk_timeout must be > 0 and below collaboration.averaging_timeout",
         )
         require(self.average_state_every >= 1, "collaboration.average_state_every must be >= 1")
+        require(
+            self.target_group_size is None or self.target_group_size > 1,
+            f"collaboration.target_group_size must be > 1 or null (got {self.target_group_size})",
+        )
+        require(
+            self.max_concurrent_state_uploads is None or self.max_concurrent_state_uploads >= 1,
+            "collaboration.max_concurrent_state_uploads must be >= 1 or null "
+            f"(got {self.max_concurrent_state_uploads})",
+        )
         require(self.load_state_timeout > 0, "collaboration.load_state_timeout must be > 0")
         require(self.load_state_deadline > 0, "collaboration.load_state_deadline must be > 0")
         require(self.final_averaging_seconds >= 0, "collaboration.final_averaging_seconds must be >= 0")

@@ -33,6 +33,7 @@ from common.hivemind_compat import (
     require_installed,
     skip_nonfinite_steps,
 )
+from common.hivemind_patches.uploads import LIMIT_ATTRIBUTE
 from common.task import Task
 
 logger = logging.getLogger(__name__)
@@ -243,7 +244,15 @@ class DiLoCoOptimizer(hivemind.Optimizer):
     """
 
     def __init__(
-        self, *, params, inner_steps: int, outer_lr: float, outer_momentum: float, bandwidth: Optional[float], **kwargs
+        self,
+        *,
+        params,
+        inner_steps: int,
+        outer_lr: float,
+        outer_momentum: float,
+        bandwidth: Optional[float],
+        target_group_size: Optional[int] = None,
+        **kwargs,
     ):
         self.inner_steps = inner_steps
         groups = list(params)
@@ -262,6 +271,7 @@ class DiLoCoOptimizer(hivemind.Optimizer):
             next_chunk_timeout=self.next_chunk_timeout,
             compression=kwargs.get("grad_compression", NoCompression()),
             bandwidth=bandwidth,
+            target_group_size=target_group_size,
             client_mode=self.client_mode,
             auxiliary=self.auxiliary,
             allow_state_sharing=False,  # the state averager serves the outer state
@@ -341,6 +351,18 @@ class DiLoCoOptimizer(hivemind.Optimizer):
         super().shutdown()
 
 
+def group_options(collab: CollaborationConfig) -> dict:
+    """The averagers' group cap (``collaboration.target_group_size``): hivemind's default when unset."""
+    return {} if collab.target_group_size is None else {"target_group_size": collab.target_group_size}
+
+
+def state_serving_options(collab: CollaborationConfig) -> dict:
+    """A state averager's upload limit (``collaboration.max_concurrent_state_uploads``, enforced by the patch
+    ``limit_concurrent_state_uploads``); without one the keyword is left out, as hivemind's own averager knows none."""
+    limit = collab.max_concurrent_state_uploads
+    return {} if limit is None else {LIMIT_ATTRIBUTE: limit}
+
+
 def make_collaborative_optimizer(
     dht: hivemind.DHT,
     task: Task,
@@ -366,12 +388,14 @@ def make_collaborative_optimizer(
     compression = make_compression(collab.compression)
     # the state is prefilled (prefill_optimizer_state), so hivemind's own virtual zero-gradient step and its log line
     # must not run
-    state_averager_opts = {"initialize_optimizer": False, "bandwidth": bandwidth}
-    # hivemind 1.1.12 hands averager_opts to the state averager only: the declared bandwidth reaches the gradient
-    # averager, whose rounds it load-balances, through the factory.
+    state_averager_opts = dict(
+        initialize_optimizer=False, bandwidth=bandwidth, **group_options(collab), **state_serving_options(collab)
+    )
+    # hivemind 1.1.12 hands averager_opts to the state averager only: the declared bandwidth and the group cap reach
+    # the gradient averager, whose rounds they shape, through the factory.
     grad_averager_factory = None  # local updates average parameters only: hivemind makes no gradient averager
     if not flags.use_local_updates:
-        grad_averager_factory = functools.partial(GradientAverager, bandwidth=bandwidth)
+        grad_averager_factory = functools.partial(GradientAverager, bandwidth=bandwidth, **group_options(collab))
     require_installed()  # start_dht installed the process-wide patches, before the averagers are forked
     optimizer_class, diloco_options = hivemind.Optimizer, {}
     if diloco:
@@ -381,6 +405,7 @@ def make_collaborative_optimizer(
             outer_lr=collab.outer_lr,
             outer_momentum=collab.outer_momentum,
             bandwidth=bandwidth,
+            target_group_size=collab.target_group_size,
         )
     optimizer = optimizer_class(
         dht=dht,
@@ -433,6 +458,7 @@ def make_checkpoint_state_averager(
         min_matchmaking_time=collab.matchmaking_time,
         extra_tensors=averaged_buffers(task.model),  # the trainers' BatchNorm statistics
         start=True,
+        **state_serving_options(collab),  # it serves its checkpoint to newcomers like any donor
     )
     if collab.semantics != Semantics.diloco:
         return TrainingStateAverager(**options)

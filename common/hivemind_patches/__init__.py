@@ -1,7 +1,8 @@
 """Every change this project makes to the pinned hivemind (1.1.12), installed once per process by :func:`install`.
 
 ``fixes`` holds the bug fixes (hivemind behaviour that is wrong), ``policies`` our own choices over behaviour that
-is not (log levels, the state-download deadline, catch-up, the timing of gradient rounds, the signing key). The
+is not (log levels, the state-download deadline, catch-up, the timing of gradient rounds, the signing key), and
+``uploads`` the policy that limits concurrent state uploads (``collaboration.max_concurrent_state_uploads``). The
 patch table in ``common/README.md`` lists each with its upstream status, its regression test and when to remove
 it; upgrading hivemind means re-checking exactly this package.
 
@@ -28,7 +29,7 @@ from typing import Collection, Dict, Iterator, Optional
 import hivemind
 
 from common.errors import PeerError
-from common.hivemind_patches import fixes, policies
+from common.hivemind_patches import fixes, policies, uploads
 from common.hivemind_patches.patcher import Patcher
 
 PINNED_VERSION = "1.1.12"  # the hivemind release every patch here is written against
@@ -37,7 +38,7 @@ PINNED_VERSION = "1.1.12"  # the hivemind release every patch here is written ag
 # ``common.backends.require_same_model``).
 PATCH_SET_VERSION = "2026.12.2"
 
-PROCESS_WIDE = {name: apply for name, apply in fixes.PROCESS_WIDE + policies.PROCESS_WIDE}
+PROCESS_WIDE = {name: apply for name, apply in fixes.PROCESS_WIDE + policies.PROCESS_WIDE + uploads.PROCESS_WIDE}
 PER_OPTIMIZER = dict(fixes.PER_OPTIMIZER)  # fixes that adapt one hivemind.Optimizer: install puts them in force
 PATCHES = (*PROCESS_WIDE, *PER_OPTIMIZER)  # every patch, in the order install applies them
 FIXES = frozenset(name for name, _ in fixes.PROCESS_WIDE + fixes.PER_OPTIMIZER)
