@@ -19,7 +19,12 @@ download attempt that failed or ran past collaboration.load_state_deadline. Writ
 
     python scripts/experiments/scale_swarm.py scale --peers 4 8 16 32
     python scripts/experiments/scale_swarm.py storm --donors 6 --newcomers 10
+    python scripts/experiments/scale_swarm.py storm --donor-upload-mbit 2 collaboration.max_concurrent_state_uploads=1
     python scripts/experiments/scale_swarm.py report --run-dir outputs/scale/scale   # re-read the run folders
+
+Trailing ``key=value`` arguments are config overrides for every peer (``collaboration.target_group_size``,
+``collaboration.max_concurrent_state_uploads``, timeouts, ...); each result records the collaboration settings its
+peers ran with.
 
 A trainer starts only while the machine keeps --min-available-gib after it (--gib-per-peer each); an N that does not
 fit is recorded as stopped early, with the reason, and larger N are not tried.
@@ -47,7 +52,7 @@ from typing import Dict, List, Optional, Sequence
 
 import psutil
 
-from common.config import CONFIG_KEYS_HELP
+from common.config import CONFIG_KEYS_HELP, CollaborationConfig, load_config
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.metrics import HistoryWriter
@@ -84,6 +89,16 @@ FAILED_ATTEMPT = re.compile(r"state download attempt \d+ failed")
 # glibc keeps fewer per-thread heaps and Go's collector runs at half the heap growth: less resident memory per
 # peer (each runs a dozen threads, and its p2pd is a Go program) for a little CPU
 LEAN_ENVIRONMENT = {"MALLOC_ARENA_MAX": "2", "GOGC": "50"}
+# the settings a result depends on beyond the command's flags, written into it as the peers ran them
+RECORDED_COLLABORATION_KEYS = (
+    "matchmaking_time",
+    "averaging_timeout",
+    "next_chunk_timeout",
+    "load_state_timeout",
+    "load_state_deadline",
+    "target_group_size",
+    "max_concurrent_state_uploads",
+)
 
 
 # --- what a run measures ---------------------------------------------------------------------------------------
@@ -216,18 +231,14 @@ def trainer_hosts(names: Sequence[str], delay_ms: float, offset: int = 0) -> Lis
     ]
 
 
-def peer_environment(args) -> Dict[str, str]:
-    """Extra environment of every peer: the lean allocator settings, and the trials' hivemind settings the config
-    has no key for (a sitecustomize on the peers' path applies them: scripts/experiments/hivemind_trials)."""
-    environment = dict(LEAN_ENVIRONMENT) if args.lean else {}
-    if args.target_group_size:
-        environment["DEDLOC_TARGET_GROUP_SIZE"] = str(args.target_group_size)
-    if getattr(args, "max_state_uploads", None):
-        environment["DEDLOC_MAX_STATE_UPLOADS"] = str(args.max_state_uploads)
-    if "DEDLOC_TARGET_GROUP_SIZE" in environment or "DEDLOC_MAX_STATE_UPLOADS" in environment:
-        trials = str(ROOT / "scripts/experiments/hivemind_trials")
-        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [trials, os.environ.get("PYTHONPATH")]))
-    return environment
+def peer_collaboration(args, overrides: Sequence[str]) -> CollaborationConfig:
+    """The collaboration section every peer runs with (validated here, before any peer starts: a bad override is
+    one line and exit code 2); its averaging and state-download settings go into the results."""
+    return load_config(args.config, [*BASE_OVERRIDES, *overrides]).collaboration
+
+
+def collaboration_record(collab: CollaborationConfig) -> dict:
+    return {key: getattr(collab, key) for key in RECORDED_COLLABORATION_KEYS}
 
 
 @contextlib.contextmanager
@@ -244,7 +255,7 @@ def emulated_swarm(args, run_dir: Path, hosts: List[HostSpec], overrides: Sequen
                 [*BASE_OVERRIDES, *overrides],
                 command_prefix=network.command_prefix_for if network is not None else None,
                 host_overrides=network.peer_overrides if network is not None else None,
-                environment=peer_environment(args),
+                environment=dict(LEAN_ENVIRONMENT) if args.lean else {},
             )
         )
         yield swarm, network
@@ -305,13 +316,15 @@ def run_scale(args, count: int, stop: StopFlag) -> dict:
     names = [f"t{index:02d}" for index in range(count)]
     hosts = [HostSpec("monitor", "monitor", MONITOR_MBIT, MONITOR_MBIT), *trainer_hosts(names, args.delay_ms)]
     overrides = [f"collaboration.target_batch_size={args.target_batch_size}", *args.overrides]
+    collab = peer_collaboration(args, overrides)
     result: dict = {
         "peers": count,
         "load_average_at_start": load_average(),
         "links": "loopback" if args.loopback else f"cycling {UPLOAD_CYCLE_MBIT} Mbit/s, +{args.delay_ms:g} ms one way",
         "target_batch_size": args.target_batch_size,
         "lean_environment": args.lean,
-        "target_group_size": args.target_group_size,
+        "target_group_size": collab.target_group_size,
+        "collaboration": collaboration_record(collab),
         "overrides": list(args.overrides),
     }
     guard = MemoryGuard(args)
@@ -671,6 +684,7 @@ def storm_main(args, stop: StopFlag) -> None:
         f"collaboration.load_state_deadline={args.load_state_deadline:g}",
         *args.overrides,
     ]
+    collab = peer_collaboration(args, overrides)
     rng = random.Random(args.seed)
     result: dict = provenance(sys.argv[1:])
     guard = MemoryGuard(args)
@@ -794,7 +808,8 @@ def storm_main(args, stop: StopFlag) -> None:
             else {host.name: f"{host.upload_mbit:g} up / {host.download_mbit:g} down Mbit/s" for host in hosts},
             "load_state_deadline": args.load_state_deadline,
             "donor_upload_mbit": args.donor_upload_mbit,
-            "max_state_uploads": args.max_state_uploads,
+            "max_state_uploads": collab.max_concurrent_state_uploads,
+            "collaboration": collaboration_record(collab),
             "aborted": guard.tripped,
             "seconds": {
                 "before": round(storm_start - before_start, 1),
@@ -884,12 +899,11 @@ def parse_arguments() -> argparse.Namespace:
         help="peers run with " + " ".join(f"{k}={v}" for k, v in LEAN_ENVIRONMENT.items()) + " (less memory)",
     )
     common.add_argument(
-        "--target-group-size",
-        type=int,
-        default=None,
-        help="hivemind's target_group_size for every peer's averagers (a benchmark trial; the config has no key)",
+        "overrides",
+        nargs="*",
+        help="config overrides for every peer (key=value), e.g. collaboration.target_group_size=4 or "
+        "collaboration.max_concurrent_state_uploads=1",
     )
-    common.add_argument("overrides", nargs="*", help="config overrides for every peer (key=value)")
     scale = sub.add_parser("scale", parents=[common], help="swarms of N trainers, one after another")
     scale.add_argument("--peers", type=int, nargs="+", default=[4, 8, 16, 32], help="the swarm sizes N")
     scale.add_argument("--measure-seconds", type=float, default=120.0, help="the window once every peer contributed")
@@ -911,12 +925,6 @@ def parse_arguments() -> argparse.Namespace:
     storm.add_argument("--load-state-deadline", type=float, default=300.0, help="collaboration.load_state_deadline")
     storm.add_argument(
         "--donor-upload-mbit", type=float, default=None, help="every donor's upload cap instead of the paper's mix"
-    )
-    storm.add_argument(
-        "--max-state-uploads",
-        type=int,
-        default=None,
-        help="each peer serves at most this many state downloads at once (common/hivemind_patches/uploads.py)",
     )
     storm.add_argument("--storm-file", default="storm.json", help="the result's file name in --results")
     storm.add_argument("--seed", type=int, default=0, help="the newcomers' start offsets")
