@@ -716,7 +716,8 @@ def storm_main(args, stop: StopFlag) -> None:
         storm_start, sent_at_storm = time.time(), sent_bytes()
         offsets = sorted(rng.uniform(0, args.storm_seconds) for _ in newcomers)
         for name, offset in zip(newcomers, offsets):
-            stop.wait(max(0.0, storm_start + offset - time.time()))
+            if stop.wait(max(0.0, storm_start + offset - time.time())):
+                break  # stopped: no more newcomers, the rest of the run is recorded as far as it got
             swarm.start("trainer", name)
         result["newcomers_started_within_seconds"] = round(time.time() - storm_start, 2)
         logger.info(f"storm: {len(newcomers)} newcomers started within {result['newcomers_started_within_seconds']} s")
@@ -745,7 +746,7 @@ def storm_main(args, stop: StopFlag) -> None:
             stop.wait(min(2.0, max(0.1, storm_end + args.after_seconds - time.time())))
         after_end = time.time()
         result["load_average_at_end"] = load_average()
-        trainers = [*donors, *newcomers]
+        trainers = [name for name in [*donors, *newcomers] if name in swarm.peers]
         swarm.stop_many(trainers, grace_seconds=60)
         time.sleep(3)
         swarm.stop_many(["monitor"])
