@@ -8,8 +8,9 @@ The DDP baseline runs as torchrun with 2 workers, checkpoints, exports the check
 
 Overrides are only batch sizes, step counts, data location (offline stand-ins: Wikipedia leads, Fashion-MNIST
 written as PNG files, the Bengali stand-ins) and, because this machine has no GPU, ``training.precision=auto``
-(fp32 on a CPU), SwAV's loader workers (1 instead of 8 per trainer: this machine's memory) and the tokenizer (the
-hub's albert-large-v2 tokenizer is unreachable: one is trained on the corpus with the same 30,000 pieces).
+(fp32 on a CPU), SwAV's loader workers (1 instead of 8 per trainer: this machine's memory), the DDP workers'
+threads (1 instead of 4: 2 cores) and the tokenizer (the hub's albert-large-v2 tokenizer is unreachable: one is
+trained on the corpus with the same 30,000 pieces).
 
   python scripts/experiments/rehearsal.py --output paper_results/fullscale            # every config
   python scripts/experiments/rehearsal.py --configs swav_resnet50 --output outputs/r  # one
@@ -118,6 +119,9 @@ def rehearsals(data_dir: Path) -> Dict[str, Rehearsal]:
                 "training.local_batch_size=1",
                 "collaboration.target_batch_size=2",
                 "training.checkpoint_every_steps=1",
+                # the config's 4 threads per worker are for a GPU host's collation; 2 workers x 4 OpenMP threads on
+                # 2 shared cores spun in gemm's barriers: no step in 8 minutes (run of 10:54, paper_results/fullscale)
+                "training.num_threads=1",
             ],
             ddp=True,
         ),
