@@ -50,6 +50,20 @@ def test_state_download_counts_parameters_buffers_and_optimizer_statistics():
     assert rehearsal.state_download_mb(checkpoint) == pytest.approx(expected_mb)
 
 
+def test_every_rehearsal_overrides_load_and_fit_this_machines_cores(tmp_path):
+    """Each config with its rehearsal's overrides is a valid config (a misspelt key would end the run late), and
+    the DDP workers' threads fit 2 cores (4 per worker made no step in 8 minutes: paper_results/fullscale)."""
+    from common.config import load_config
+
+    rehearsal = load_rehearsal_module()
+    for name, entry in rehearsal.rehearsals(tmp_path).items():
+        overrides = [override.format(steps=2) for override in entry.overrides]
+        config = load_config(str(ROOT / entry.config), overrides)
+        assert config.training.max_global_steps == 2, name
+        if entry.ddp:
+            assert config.training.num_threads == 1, name
+
+
 @pytest.mark.timeout(240)
 def test_unknown_rehearsal_is_one_line_error(tmp_path):
     result = run_script(str(SCRIPT), "--configs", "gpt5", "--output", str(tmp_path), timeout=200)
