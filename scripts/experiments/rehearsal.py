@@ -22,6 +22,7 @@ machine and date); peer folders under ``--runs``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
@@ -435,6 +436,13 @@ def fill_checkpoint_columns(rehearsal, config, row: dict, path: Path, checkpoint
         row["export_reloaded"] = f"no: {type(error).__name__}: {error}"[:200]
 
 
+def worker_processes(pid: int) -> List[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=False)
+    except psutil.Error:
+        return []
+
+
 def run_ddp(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: float, row: dict) -> None:
     config_path = str(ROOT / rehearsal.config)
     run_overrides = [*overrides, f"training.output_dir={folder / 'run'}"]
@@ -451,19 +459,22 @@ def run_ddp(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout: f
             while process.poll() is None:
                 if time.monotonic() - started > timeout:
                     raise TimeoutError(f"torchrun ({attempt}) ran past {timeout:.0f} s")
-                children = subprocess.run(["pgrep", "-g", str(process.pid)], capture_output=True, text=True)
-                workers = [int(pid) for pid in children.stdout.split() if int(pid) != process.pid]  # not torchrun
-                peak = max([peak, *(peak_rss_mb(pid) or 0.0 for pid in workers)])
+                # torchrun starts each worker in a session of its own: found as its children, not its group
+                peak = max([peak, *(peak_rss_mb(worker.pid) or 0.0 for worker in worker_processes(process.pid))])
                 total_peak = max(total_peak, group_pss_mb(process.pid))
                 time.sleep(1)
         finally:
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
+                workers = worker_processes(process.pid)
+                os.killpg(process.pid, signal.SIGTERM)  # torchrun passes it on to its workers
                 try:
                     process.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
+                for worker in workers:  # in sessions of their own: torchrun's group does not reach them
+                    with contextlib.suppress(psutil.Error):
+                        worker.kill()
         if process.returncode != 0:
             row["status"] = f"torchrun ({attempt}) exit {process.returncode}: see {folder / f'{attempt}.log'}"
             return
