@@ -6,6 +6,7 @@ with ``max_state_uploads`` (``collaboration.max_concurrent_state_uploads``, pass
 
 from __future__ import annotations
 
+import logging
 from typing import AsyncIterator, Optional
 
 from hivemind.averaging.averager import DecentralizedAverager
@@ -14,6 +15,8 @@ from hivemind.proto import averaging_pb2
 
 from common.hivemind_patches.patcher import Patcher
 
+logger = logging.getLogger(__name__)
+TURNED_AWAY = "turned a state download away: already serving"  # the donor's one line per request it turns away
 LIMIT_ATTRIBUTE = "max_state_uploads"  # the averager's limit (None: none), set before its process is forked
 _SERVING_ATTRIBUTE = "_state_uploads_in_progress"
 
@@ -63,6 +66,7 @@ def limit_concurrent_state_uploads(patcher: Patcher, max_uploads: Optional[int] 
             return
         serving = getattr(self, _SERVING_ATTRIBUTE, 0)
         if serving >= limit:
+            logger.info(f"{TURNED_AWAY} {serving} (collaboration.max_concurrent_state_uploads={limit})")
             return  # nothing sent: the newcomer asks its next peer
         setattr(self, _SERVING_ATTRIBUTE, serving + 1)
         try:

@@ -54,6 +54,7 @@ import psutil
 
 from common.config import CONFIG_KEYS_HELP, CollaborationConfig, load_config
 from common.errors import UserError, exit_on_user_error
+from common.hivemind_patches.uploads import TURNED_AWAY
 from common.lifecycle import StopFlag, setup_logging
 from common.metrics import HistoryWriter
 from common.startup import STARTUP_FILE
@@ -777,6 +778,13 @@ def storm_main(args, stop: StopFlag) -> None:
         samples_used = [entry for entry in history if any(ids.get(p) == name for p in entry["contributions"])]
         record["global_steps_contributed"] = len(samples_used)
         arrivals.append(record)
+    # requests a serving peer turned away at its collaboration.max_concurrent_state_uploads (each asked the next peer)
+    turned_away = {}
+    for name in ["monitor", *donors, *newcomers]:
+        log = run_dir / name / "peer.log"
+        count = log.read_text(errors="replace").count(TURNED_AWAY) if log.exists() else 0
+        if count:
+            turned_away[name] = count
     refused: Dict[str, int] = {}
     for record in arrivals:
         for refusal in record["donors_that_did_not_serve"]:
@@ -836,6 +844,7 @@ def storm_main(args, stop: StopFlag) -> None:
             "newcomers_failed_download_attempts": sum(record["failed_download_attempts"] for record in arrivals),
             "donor_requests_not_served": sum(len(record["donors_that_did_not_serve"]) for record in arrivals),
             "requests_not_served_by_donor": refused,
+            "requests_turned_away_at_the_limit": turned_away,
             "sent_during_storm_beyond_before_pace_mib": extra_sent_mib,
             "downloads_past_deadline": sum(
                 record.get("state_download_phase_seconds", float("inf")) > args.load_state_deadline
