@@ -11,7 +11,9 @@ import time
 from typing import List, Optional, Sequence, Union
 
 import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils import get_dht_time
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -240,3 +242,36 @@ def join_command(
         parts += ["--auth-server", auth_server]
     parts += ["--initial-peers", *addresses, *overrides]
     return " ".join(shlex.quote(part) for part in parts)
+
+
+def swarm_step_key(run_id: str) -> str:
+    """Where peers that follow the global step without accumulating samples (auxiliary peers) announce it."""
+    return f"{run_id}_swarm_step"
+
+
+def announce_swarm_step(dht: hivemind.DHT, run_id: str, step: int, lifetime: float) -> None:
+    """Announce the global step this peer follows, for ``lifetime`` seconds (signed: only we can replace it).
+
+    hivemind's progress records come from peers that accumulate samples only, and a record outlives its peer by
+    up to ``metadata_expiration`` (60 s): when every trainer has crashed, the swarm's step vanishes from the DHT a
+    minute later. This record keeps it while an auxiliary peer lives, so a newcomer still learns the step the swarm
+    reached (``bound_state_downloads``)."""
+    dht.store(
+        key=swarm_step_key(run_id),
+        subkey=RSASignatureValidator().local_public_key,
+        value=int(step),
+        expiration_time=get_dht_time() + lifetime,
+        return_future=True,
+    )
+
+
+def read_announced_swarm_step(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -> int:
+    """The highest global step a live auxiliary peer announced; -1 if none did or the DHT did not answer in time."""
+    try:
+        entry = dht.get(swarm_step_key(run_id), latest=True, return_future=True).result(timeout=timeout)
+    except Exception:  # a slow or ending DHT: no announcement is known
+        return -1
+    if entry is None or not isinstance(entry.value, dict):
+        return -1
+    steps = [item.value for item in entry.value.values() if isinstance(item.value, int) and item.value >= 0]
+    return max(steps, default=-1)

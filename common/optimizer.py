@@ -24,6 +24,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, load_optimizer_state
 
 from common.config import CollaborationConfig, Compression, Semantics
+from common.dht import read_announced_swarm_step
 from common.hivemind_compat import (
     bound_state_downloads,
     catch_up_one_step_behind,
@@ -435,7 +436,12 @@ def make_collaborative_optimizer(
         verbose=True,  # status lines at INFO; common.lifecycle.setup_logging decides which loggers show them
         **diloco_options,
     )
-    bound_state_downloads(optimizer, collab.load_state_deadline, stop_requested or (lambda: False))
+    bound_state_downloads(
+        optimizer,
+        collab.load_state_deadline,
+        stop_requested or (lambda: False),
+        announced_step=functools.partial(read_announced_swarm_step, dht, collab.run_id),
+    )
     if collab.catch_up_one_step_behind:
         catch_up_one_step_behind(optimizer)
     if flags.delay_grad_averaging:

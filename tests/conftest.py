@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import resource
+import time
 
 import pytest
 
@@ -25,6 +27,13 @@ def pytest_addoption(parser):
         default=[],
         metavar="NAME",
         help="leave this hivemind patch out (common/hivemind_patches): its regression test must then fail",
+    )
+    parser.addoption(
+        "--cpu-times",
+        default=None,
+        metavar="PATH",
+        help="write each test's wall and CPU seconds (this process and the processes it started and waited for) "
+        "as CSV rows to PATH (one file per xdist worker: PATH.<worker>)",
     )
 
 
@@ -77,3 +86,24 @@ def pytest_collection_modifyitems(config, items):
         cost[item.path] = cost.get(item.path, 0.0) + (_timeout_seconds(item) if item.get_closest_marker("slow") else 0)
     first_seen = {path: index for index, path in reversed(list(enumerate(item.path for item in items)))}
     items.sort(key=lambda item: (-cost[item.path], first_seen[item.path]))
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``--cpu-times``: what each test costs the machine. A peer's CPU is counted once the test has waited for it
+    (every test stops what it starts); a process nobody waits for (a daemon handed to init) is not counted."""
+    path = item.config.getoption("--cpu-times")
+    if not path:
+        yield
+        return
+    wall, cpu = time.monotonic(), _cpu_seconds()
+    yield
+    wall, cpu = time.monotonic() - wall, _cpu_seconds() - cpu
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    with open(f"{path}.{worker}" if worker else path, "a") as handle:
+        handle.write(f"{item.nodeid},{wall:.2f},{cpu:.2f}\n")

@@ -285,14 +285,18 @@ def restart_throughput_timer(optimizer: hivemind.Optimizer) -> None:
 
 STATE_RETRY_MAX_SECONDS = 16.0  # longest wait between two attempts to download the swarm's state
 STOP_POLL_SECONDS = 0.25  # how often a wait between attempts checks whether the peer was asked to stop
-# hivemind keeps a peer's progress record this long after its last report (ProgressTracker's metadata_expiration).
-# When downloads have served nothing as new as the swarm's step for this long, the records still claiming that step
-# belong to peers that do not hold its state: auxiliary peers follow the global step but share no state.
+# A download that served nothing as new as the swarm's step for this long means the peers that held that state
+# left. The step outlives them: crashed trainers' progress records stay in the DHT for hivemind's
+# metadata_expiration (60 s), and auxiliary peers, which follow the step without holding its state, announce it
+# for as long as they live (common.dht.announce_swarm_step).
 HOLDERS_GONE_AFTER_SECONDS = 60.0
 
 
 def bound_state_downloads(
-    optimizer: hivemind.Optimizer, deadline: float, stop_requested: Callable[[], bool] = lambda: False
+    optimizer: hivemind.Optimizer,
+    deadline: float,
+    stop_requested: Callable[[], bool] = lambda: False,
+    announced_step: Callable[[], int] = lambda: -1,
 ) -> None:
     """Make ``optimizer.load_state_from_peers`` retry with backoff and give up after
     ``deadline`` seconds with one line (``PeerError``).
@@ -306,18 +310,25 @@ def bound_state_downloads(
     until ``collaboration.load_state_deadline``. An attempt that loaded nothing newer while the swarm is more than
     one step ahead failed too; after ``HOLDERS_GONE_AFTER_SECONDS`` of those (every peer holding the swarm's
     state crashed while an auxiliary peer announces its step), the peer goes on at the swarm's step from the newest
-    state served. A stop request ends the waiting. Installed as an instance attribute, so ``Optimizer.step``
-    calls it too.
+    state served. The swarm's step is the highest of hivemind's progress records and ``announced_step()`` (what
+    live auxiliary peers announce: hivemind's records come from peers with samples only, so without it the step is
+    forgotten a minute after the last trainer crashed, and a newcomer would go on from an older step than the one
+    the swarm's history reached). A stop request ends the waiting. Installed as an instance attribute, so
+    ``Optimizer.step`` calls it too.
     """
 
     def load_state_from_peers(**kwargs) -> None:
-        _load_state_within_deadline(optimizer, deadline, stop_requested, kwargs)
+        _load_state_within_deadline(optimizer, deadline, stop_requested, kwargs, announced_step)
 
     optimizer.load_state_from_peers = load_state_from_peers
 
 
 def _load_state_within_deadline(
-    optimizer: hivemind.Optimizer, deadline: float, stop_requested: Callable[[], bool], kwargs: dict
+    optimizer: hivemind.Optimizer,
+    deadline: float,
+    stop_requested: Callable[[], bool],
+    kwargs: dict,
+    announced_step: Callable[[], int],
 ) -> None:
     # tag along with a gradient round already under way: cancelling it would restart everyone's matchmaking
     if optimizer.scheduled_grads is not None and not optimizer.scheduled_grads.done():
@@ -326,8 +337,7 @@ def _load_state_within_deadline(
     optimizer.state_averager.step(wait_for_delayed_updates=True)
 
     with optimizer.tracker.pause_updates():
-        _download_state(optimizer, deadline, stop_requested, kwargs)
-        swarm_epoch = optimizer.tracker.global_epoch
+        swarm_epoch = _download_state(optimizer, deadline, stop_requested, kwargs, announced_step)
         if swarm_epoch - 1 <= optimizer.local_epoch < swarm_epoch:
             logger.info(f"catching up with the swarm's global step {swarm_epoch}")
             optimizer.state_averager.local_epoch = swarm_epoch
@@ -341,9 +351,14 @@ def _load_state_within_deadline(
 
 
 def _download_state(
-    optimizer: hivemind.Optimizer, deadline: float, stop_requested: Callable[[], bool], kwargs: dict
-) -> None:
-    """Attempts until one succeeds; each gets at most ``load_state_timeout`` and never runs past ``deadline``."""
+    optimizer: hivemind.Optimizer,
+    deadline: float,
+    stop_requested: Callable[[], bool],
+    kwargs: dict,
+    announced_step: Callable[[], int] = lambda: -1,
+) -> int:
+    """Attempts until one succeeds; each gets at most ``load_state_timeout`` and never runs past ``deadline``.
+    Returns the swarm's step the last attempt was judged against."""
     started = time.monotonic()
     give_up_at = started + deadline
     attempt, behind_since = 0, None
@@ -361,22 +376,25 @@ def _download_state(
         except BaseException as error:  # what hivemind retries on, a timeout included
             failure = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         else:
-            swarm_epoch = optimizer.tracker.global_epoch
-            if optimizer.local_epoch > epoch_before or optimizer.local_epoch >= swarm_epoch - 1:
-                return
-            behind_since = time.monotonic() if behind_since is None else behind_since
-            if time.monotonic() - behind_since >= HOLDERS_GONE_AFTER_SECONDS:
+            swarm_epoch = max(optimizer.tracker.global_epoch, announced_step())
+            if optimizer.local_epoch >= swarm_epoch - 1:
+                return swarm_epoch
+            if behind_since is None or optimizer.local_epoch > epoch_before:
+                behind_since = time.monotonic()  # the wait for the swarm's state runs from the newest state served
+            elif time.monotonic() - behind_since >= HOLDERS_GONE_AFTER_SECONDS:
                 logger.warning(
                     f"no peer has served the swarm's state of global step {swarm_epoch} for "
                     f"{HOLDERS_GONE_AFTER_SECONDS:.0f} s: the peers that held it left; continuing at global step "
                     f"{swarm_epoch} from the newest state served (global step {optimizer.local_epoch})"
                 )
                 optimizer.state_averager.local_epoch = swarm_epoch
-                return
-            failure = (
-                f"no peer served a state newer than global step {optimizer.local_epoch} "
-                f"(the swarm is at global step {swarm_epoch})"
+                return swarm_epoch
+            newer = (
+                "the newest state served is"
+                if optimizer.local_epoch > epoch_before
+                else "no peer served a state newer than"
             )
+            failure = f"{newer} global step {optimizer.local_epoch} (the swarm is at global step {swarm_epoch})"
         elapsed = time.monotonic() - started
         if elapsed >= deadline:
             raise PeerError(
@@ -393,7 +411,7 @@ def _download_state(
         while time.monotonic() < waited_until:
             if stop_requested():
                 logger.info("stop requested: no further state download attempts")
-                return
+                return optimizer.tracker.global_epoch
             time.sleep(min(STOP_POLL_SECONDS, max(waited_until - time.monotonic(), 0.0)))
 
 

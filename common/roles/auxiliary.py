@@ -20,7 +20,7 @@ from hivemind.utils.auth import AuthorizerBase
 
 from common.auth import averaging_run_id
 from common.config import RunConfig, import_task_module
-from common.dht import visible_multiaddrs
+from common.dht import announce_swarm_step, visible_multiaddrs
 from common.errors import PeerError
 from common.lifecycle import StopFlag
 from common.optimizer import make_collaborative_optimizer
@@ -33,7 +33,8 @@ POLL_SECONDS = 0.05
 # rounds nobody will join (at the end of a run it would otherwise block for collaboration.averaging_timeout).
 LEAVE_WITHIN_SECONDS = 5.0
 # an auxiliary peer accepts connections for the whole run: it announces its addresses as a way in (the monitor lists
-# them in its join command) this often, each announcement valid for ENTRY_LIFETIME_SECONDS
+# them in its join command) and the global step it follows this often (and each new step at once), each
+# announcement valid for ENTRY_LIFETIME_SECONDS
 ENTRY_ANNOUNCE_SECONDS = 30.0
 ENTRY_LIFETIME_SECONDS = 90.0
 
@@ -102,12 +103,14 @@ def run_auxiliary(
         while not stop.is_set():
             if time.monotonic() >= next_announcement:
                 announce_entry_peer(dht, config.collaboration.run_id, entry_addresses, ENTRY_LIFETIME_SECONDS)
+                announce_swarm_step(dht, config.collaboration.run_id, optimizer.local_epoch, ENTRY_LIFETIME_SECONDS)
                 next_announcement = time.monotonic() + ENTRY_ANNOUNCE_SECONDS
             optimizer.step()
             if optimizer.local_epoch != last_epoch:
                 steps_seen += 1
                 last_epoch = optimizer.local_epoch
                 logger.info(f"assisted global step {last_epoch - 1}")
+                announce_swarm_step(dht, config.collaboration.run_id, last_epoch, ENTRY_LIFETIME_SECONDS)
             if optimizer.local_epoch >= config.training.max_global_steps:
                 break
             time.sleep(POLL_SECONDS)

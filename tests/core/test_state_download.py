@@ -15,8 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.dht import unrouted_addresses_problem
+from common.dht import announce_swarm_step, read_announced_swarm_step, unrouted_addresses_problem
 from common.errors import PeerError
+from common.hivemind_patches import policies
 from common.hivemind_patches.policies import _download_state
 from tests.helpers import PYTHON, ROOT, assert_no_processes_left, run_script
 
@@ -99,6 +100,60 @@ def test_a_fresh_swarm_returns_at_once_and_a_later_success_ends_the_retries():
     _download_state(late, deadline=60, stop_requested=never, kwargs={})
     assert late.state_averager.calls == 3 and late.local_epoch == 9
     assert time.monotonic() - started < 5  # waited 1 s + 2 s between the attempts
+
+
+def test_a_newer_state_still_behind_the_swarm_is_downloaded_again():
+    # the first attempt brought step 5 while the swarm went on to step 9: not done yet
+    optimizer = fake_optimizer([5, 9], swarm_epoch=9)
+    assert _download_state(optimizer, deadline=60, stop_requested=never, kwargs={}) == 9
+    assert optimizer.state_averager.calls == 2 and optimizer.local_epoch == 9
+
+
+def test_the_step_an_auxiliary_peer_announces_outlives_the_trainers_records(monkeypatch):
+    """Every trainer crashed and their progress records expired: hivemind's tracker knows only this peer's own
+    step, while an auxiliary peer still announces step 7. The checkpoint of step 5 is behind it; once nothing newer
+    was served for the holders-gone wait the peer goes on at step 7 with one WARNING line."""
+    monkeypatch.setattr(policies, "HOLDERS_GONE_AFTER_SECONDS", 1.0)
+    optimizer = fake_optimizer([5], swarm_epoch=5, default=None)  # the checkpoint, then nothing newer
+    records, handler = capture("common.hivemind_patches.policies")
+    try:
+        swarm = _download_state(optimizer, deadline=30, stop_requested=never, kwargs={}, announced_step=lambda: 7)
+    finally:
+        logging.getLogger("common.hivemind_patches.policies").removeHandler(handler)
+    assert swarm == 7 and optimizer.state_averager.local_epoch == 7
+    assert optimizer.state_averager.calls == 2  # the checkpoint, then one attempt a second later
+    messages = [record.getMessage() for record in records if record.levelno == logging.WARNING]
+    assert "the newest state served is global step 5 (the swarm is at global step 7)" in messages[0]
+    assert "the peers that held it left; continuing at global step 7" in messages[-1]
+
+
+def test_an_announced_step_one_ahead_is_caught_up_with_at_once():
+    optimizer = fake_optimizer([5], swarm_epoch=5)
+    assert _download_state(optimizer, deadline=30, stop_requested=never, kwargs={}, announced_step=lambda: 6) == 6
+    assert optimizer.state_averager.calls == 1
+
+
+def test_an_announced_swarm_step_is_read_back_per_run():
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    dht = hivemind.DHT(start=True, record_validators=[RSASignatureValidator()])
+    try:
+        assert read_announced_swarm_step(dht, "run_a") == -1
+        announce_swarm_step(dht, "run_a", 7, lifetime=60)
+        announce_swarm_step(dht, "run_b", 3, lifetime=60)
+        deadline = time.monotonic() + 10
+        while read_announced_swarm_step(dht, "run_a") != 7:
+            assert time.monotonic() < deadline, "the announced step was never read back"
+            time.sleep(0.1)
+        assert read_announced_swarm_step(dht, "run_b") == 3
+        announce_swarm_step(dht, "run_a", 8, lifetime=60)  # the same peer's newer announcement replaces its older
+        deadline = time.monotonic() + 10
+        while read_announced_swarm_step(dht, "run_a") != 8:
+            assert time.monotonic() < deadline, "the newer announcement was never read back"
+            time.sleep(0.1)
+    finally:
+        dht.shutdown()
 
 
 def test_a_stop_request_ends_the_retries():
