@@ -7,7 +7,7 @@ cd "$ROOT"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline WANDB_SILENT=true
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# One test process by default. `-n 4` runs whole files on 4 processes (--dist loadfile, the longest first:
-# tests/conftest.py): the fast tier in ~3 minutes, the whole suite in ~25 instead of ~50, but under that load the
-# timing of test_newcomers_go_on_from_the_last_checkpoint_when_every_trainer_crashed failed once in two runs.
-exec .venv/bin/python -m pytest tests -n 0 --dist loadfile "$@"
+# Whole files on 4 test processes (--dist loadfile, the files with the longest multi-peer tests first:
+# tests/conftest.py): ~25 minutes for the whole suite on 2 cores instead of ~40-50 in one process. `-n 0` runs one
+# process; `-m "not slow"` is the fast tier (~3 minutes).
+exec .venv/bin/python -m pytest tests -n 4 --dist loadfile "$@"
