@@ -1,9 +1,10 @@
 """Dress rehearsal of the paper configs at their real model and input shapes, on this machine's CPU.
 
 For each config: the data is prepared once (time and peak RSS measured), then a monitor and 2 trainers (sahajBERT:
-client-mode trainers plus one auxiliary peer, as in the paper's run) take ``--steps`` global steps with small local
-and target batches; the monitor checkpoints every step and exports; the export is reloaded and compared with the
-checkpoint; a late joiner downloads the swarm's state (served by the monitor) and is compared with the checkpoint.
+plus one auxiliary peer, trainer0 and the joiner in client mode, trainer1 accepting connections: no client-mode or
+auxiliary peer serves its state) take ``--steps`` global steps with small local and target batches; the monitor
+checkpoints every step and exports; the export is reloaded and compared with the checkpoint; a late joiner
+downloads the swarm's state from the running peers and is compared with a state of the same step.
 The DDP baseline runs as torchrun with 2 workers, checkpoints, exports the checkpoint and resumes from it.
 
 Overrides are only batch sizes, step counts, data location (offline stand-ins: Wikipedia leads, Fashion-MNIST
@@ -145,11 +146,19 @@ def rehearsals(data_dir: Path) -> Dict[str, Rehearsal]:
         "sahajbert": Rehearsal(
             "sahajbert",
             "configs/sahajbert/paper.yaml",
-            "ALBERT-large (vocab 32,000), client-mode trainers + 1 auxiliary",
+            "ALBERT-large (vocab 32,000), trainers in client mode but one + 1 auxiliary",
             "seq 512",
             [*common, *bengali, *swarm, "training.local_batch_size=1", "collaboration.target_batch_size=2"],
             auxiliary=True,
-            peer_overrides={"monitor": ["network.client_mode=false"], "aux": ["network.client_mode=false"]},
+            # hivemind serves a peer's state only from peers that accept connections and step (not client mode, not
+            # auxiliary): with every trainer in client mode the monitor never got a state past step 0 (run of
+            # 11:15, paper_results/fullscale), so one trainer is a volunteer with a reachable address; the late
+            # joiner is in client mode, as the config's volunteers are
+            peer_overrides={
+                "monitor": ["network.client_mode=false"],
+                "aux": ["network.client_mode=false"],
+                "trainer1": ["network.client_mode=false"],
+            },
         ),
     }
 
@@ -357,9 +366,10 @@ def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout:
     with LocalSwarm(config_path, folder, overrides) as swarm:
         swarm.start_first_peer("monitor", "monitor", rehearsal.peer_overrides.get("monitor", []), timeout=600)
         if rehearsal.auxiliary:
-            swarm.start("auxiliary", "aux", rehearsal.peer_overrides.get("aux", []))
+            # it runs as long as the trainers do: client-mode trainers average only in a group with a full peer
+            swarm.start("auxiliary", "aux", [*rehearsal.peer_overrides.get("aux", []), *open_ended])
         for name in trainers:
-            swarm.start("trainer", name, open_ended)
+            swarm.start("trainer", name, [*rehearsal.peer_overrides.get(name, []), *open_ended])
         deadline = time.monotonic() + timeout
         swarm.wait(
             trainers,
@@ -563,7 +573,10 @@ def main() -> None:
         row = {column: "" for column in COLUMNS}
         row.update(config=rehearsal.config, model=rehearsal.model, inputs=rehearsal.inputs, steps_target=args.steps)
         row["peers"] = (
-            "2 DDP workers" if rehearsal.ddp else "monitor + 2 trainers" + (" + aux" if rehearsal.auxiliary else "")
+            "2 DDP workers"
+            if rehearsal.ddp
+            else "monitor + 2 trainers"
+            + (" (trainer0 and joiner in client mode) + aux" if rehearsal.auxiliary else "")
         )
         started, load_before = time.monotonic(), load_average()
         logger.info(f"{name}: preparing data")

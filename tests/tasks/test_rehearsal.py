@@ -51,8 +51,9 @@ def test_state_download_counts_parameters_buffers_and_optimizer_statistics():
 
 
 def test_every_rehearsal_overrides_load_and_fit_this_machines_cores(tmp_path):
-    """Each config with its rehearsal's overrides is a valid config (a misspelt key would end the run late), and
-    the DDP workers' threads fit 2 cores (4 per worker made no step in 8 minutes: paper_results/fullscale)."""
+    """Each config with its rehearsal's overrides is a valid config (a misspelt key would end the run late), the
+    DDP workers' threads fit 2 cores (4 per worker made no step in 8 minutes: paper_results/fullscale), and some
+    trainer can serve the swarm's state."""
     from common.config import load_config
 
     rehearsal = load_rehearsal_module()
@@ -62,6 +63,13 @@ def test_every_rehearsal_overrides_load_and_fit_this_machines_cores(tmp_path):
         assert config.training.max_global_steps == 2, name
         if entry.ddp:
             assert config.training.num_threads == 1, name
+        trainers = [
+            load_config(str(ROOT / entry.config), [*overrides, *entry.peer_overrides.get(peer, [])])
+            for peer in ("trainer0", "trainer1")
+        ]
+        # hivemind serves state only from peers that accept connections and step: with every trainer in client
+        # mode, no peer served a state past step 0 to the monitor or a joiner (sahajBERT, run of 11:15)
+        assert any(not trainer.network.client_mode for trainer in trainers), name
 
 
 @pytest.mark.timeout(240)
