@@ -56,12 +56,14 @@ def limit_concurrent_state_uploads(patcher: Patcher, max_uploads: Optional[int] 
             setattr(self, LIMIT_ATTRIBUTE, max_state_uploads)
         original_init(self, *args, **kwargs)
 
+    # hivemind's own parameter names: a wrapper made with functools.wraps (tests, the fault driver) registers its
+    # handler by these annotations under its own argument names
     async def rpc_download_state(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         limit = getattr(self, LIMIT_ATTRIBUTE, None) or max_uploads
         if limit is None:
-            async for message in original_download(self, request, context):
+            async for message in original_download(self, _request, _context):
                 yield message
             return
         serving = getattr(self, _SERVING_ATTRIBUTE, 0)
@@ -70,7 +72,7 @@ def limit_concurrent_state_uploads(patcher: Patcher, max_uploads: Optional[int] 
             return  # nothing sent: the newcomer asks its next peer
         setattr(self, _SERVING_ATTRIBUTE, serving + 1)
         try:
-            async for message in original_download(self, request, context):
+            async for message in original_download(self, _request, _context):
                 yield message
         finally:  # also when the newcomer gives up mid-stream (the generator is closed)
             setattr(self, _SERVING_ATTRIBUTE, getattr(self, _SERVING_ATTRIBUTE) - 1)

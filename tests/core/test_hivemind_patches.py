@@ -91,10 +91,11 @@ def test_an_unknown_patch_name_is_refused():
 
 
 def test_every_patch_is_a_fix_or_a_policy_and_says_when_to_remove_it():
-    from common.hivemind_patches import fixes, policies
+    from common.hivemind_patches import fixes, policies, uploads
 
     for name, apply in {**hivemind_patches.PROCESS_WIDE, **hivemind_patches.PER_OPTIMIZER}.items():
-        assert apply.__module__ in (fixes.__name__, policies.__name__), name
+        assert apply.__module__ in (fixes.__name__, policies.__name__, uploads.__name__), name
+        assert (apply.__module__ == fixes.__name__) == (name in hivemind_patches.FIXES), name  # uploads: a policy
         if name in hivemind_patches.FIXES:
             doc = " ".join(apply.__doc__.split())
             assert "Upstream:" in doc and "Remove when" in doc, name

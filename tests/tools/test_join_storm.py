@@ -26,7 +26,7 @@ def test_a_donor_serves_at_most_the_limit_and_turns_the_rest_away_at_once():
     try:
         donor = object.__new__(DecentralizedAverager)
         hints = get_type_hints(DecentralizedAverager.rpc_download_state)  # what hivemind registers the handler by
-        assert "AsyncIterator" in str(hints["return"]) and "DownloadRequest" in str(hints["request"])
+        assert "AsyncIterator" in str(hints["return"]) and "DownloadRequest" in str(hints["_request"])
 
         async def scenario():
             first = DecentralizedAverager.rpc_download_state(donor, None, None)
