@@ -19,6 +19,7 @@ import torch
 from hivemind.utils.auth import AuthorizerBase
 
 from common.auth import averaging_run_id
+from common.backends import RunFingerprints, publish_averaging_settings, require_same_model
 from common.config import RunConfig, import_task_module
 from common.dht import announce_swarm_step, visible_multiaddrs
 from common.errors import PeerError
@@ -89,6 +90,10 @@ def run_auxiliary(
     try:
         torch.manual_seed(config.training.seed)
         task = import_task_module(config.task_module).build_task(config, with_data=False)
+        # it takes a share of every round, so it must form its updates as the trainers do (diloco's H and outer
+        # optimizer): refused like a trainer with other settings, and announced so that such a trainer is refused
+        fingerprints = RunFingerprints.of(task, config.collaboration)
+        require_same_model(dht, config.collaboration.run_id, fingerprints, task.input_mismatch_advice)
         optimizer = make_collaborative_optimizer(
             dht,
             task,
@@ -104,6 +109,9 @@ def run_auxiliary(
             if time.monotonic() >= next_announcement:
                 announce_entry_peer(dht, config.collaboration.run_id, entry_addresses, ENTRY_LIFETIME_SECONDS)
                 announce_swarm_step(dht, config.collaboration.run_id, optimizer.local_epoch, ENTRY_LIFETIME_SECONDS)
+                publish_averaging_settings(
+                    dht, config.collaboration.run_id, "auxiliary", fingerprints.averaging, ENTRY_LIFETIME_SECONDS
+                )
                 next_announcement = time.monotonic() + ENTRY_ANNOUNCE_SECONDS
             optimizer.step()
             if optimizer.local_epoch != last_epoch:

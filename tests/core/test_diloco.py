@@ -14,6 +14,7 @@ import torch
 
 from common.backends import (
     RunFingerprints,
+    averaging_key,
     averaging_settings,
     publish_averaging_settings,
     require_same_averaging,
@@ -255,3 +256,43 @@ def test_a_joiner_downloads_outer_parameters_and_momentum_and_a_checkpoint_keeps
         stack.callback(restored.shutdown)
         load_outer_checkpoint_state(restored, state)
         assert outer_momentum_tensors(restored.outer_optimizer)[0].item() == -3.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_auxiliary_peer_with_other_diloco_settings_is_refused_and_one_with_the_runs_announces_them(
+    tmp_path, tiny_overrides
+):
+    """An auxiliary peer takes a share of every round, so it must form updates as the trainers do: one with another
+    H is refused with one line, as a trainer would be; one with the run's settings announces them, so that a
+    trainer with other settings is refused in turn."""
+    from common.swarm import LocalSwarm
+    from tests.helpers import assert_no_processes_left
+
+    run = dict(semantics=Semantics.diloco, inner_steps=50)
+    overrides = [*tiny_overrides, "collaboration.run_id=aux_check", "collaboration.semantics=diloco"]
+    with local_dht() as dht, LocalSwarm(TINY_ALBERT, tmp_path, overrides) as swarm:
+        settings = averaging_settings(CollaborationConfig(**run))
+        publish_averaging_settings(dht, "aux_check", "trainer0", settings, 300).result()
+        swarm.initial_peers = [str(address) for address in dht.get_visible_maddrs()]
+
+        swarm.start("auxiliary", "aux_other", ["collaboration.inner_steps=10"])
+        assert swarm.wait(["aux_other"], timeout=180), "the auxiliary peer with another H was not refused"
+        other = swarm.peers["aux_other"]
+        log = other.log_path.read_text(errors="replace")
+        assert other.process.returncode == 2, other.log_tail(10)
+        assert "forms its updates otherwise (peer trainer0 uses diloco with inner_steps=50" in log
+        assert "this peer diloco with inner_steps=10" in log and "Traceback" not in log
+
+        swarm.start("auxiliary", "aux_same", ["collaboration.inner_steps=50"])
+        deadline = time.monotonic() + 180
+        while not any(
+            record.value == {"peer": "auxiliary", "settings": settings}
+            for record in (getattr(dht.get(averaging_key("aux_check"), latest=True), "value", None) or {}).values()
+        ):
+            assert swarm.peers["aux_same"].alive(), swarm.peers["aux_same"].log_tail(10)
+            assert time.monotonic() < deadline, "the auxiliary peer never announced its averaging settings"
+            time.sleep(0.5)
+        swarm.stop("aux_same")
+        assert swarm.peers["aux_same"].process.returncode == 0, swarm.peers["aux_same"].log_tail(10)
+    assert_no_processes_left(tmp_path)
