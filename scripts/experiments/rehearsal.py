@@ -390,7 +390,10 @@ def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout:
                 should_stop=lambda: joined_and_stepped(swarm),
             )
         sample(swarm)
-        swarm.stop_many(everyone, graceful=True, grace_seconds=180.0)  # a cut round waits averaging_timeout
+        # a stopped peer finishes its step, whose round may wait averaging_timeout, then hivemind's shutdown waits
+        # for its scheduled round as long again: 180 s killed sahajBERT's trainer1 3 s early (run of 11:48)
+        averaging_timeout = load_config(config_path, overrides).collaboration.averaging_timeout
+        swarm.stop_many(everyone, graceful=True, grace_seconds=2 * averaging_timeout + 90.0)
         problems = [f"{name} exit {swarm.peers[name].process.returncode}" for name in everyone]
         problems = [problem for problem in problems if not problem.endswith(" exit 0")]
         if not started_late:
