@@ -731,10 +731,17 @@ def storm_main(args, stop: StopFlag) -> None:
             ]
             if not waiting or guard.check(swarm, with_pss=False):
                 break
+            # a newcomer that gave up (exit 2 at load_state_deadline) is neither waiting nor contributing
+            ended = [
+                name
+                for name in newcomers
+                if first_contribution_at(run_dir / name) is None and not swarm.peers[name].alive()
+            ]
             history = HistoryWriter(run_dir / "monitor").read()
             logger.info(
-                f"storm +{time.time() - storm_start:.0f} s: {len(newcomers) - len(waiting)}/{len(newcomers)} "
-                f"newcomers contributed, global step {history[-1]['step'] if history else -1}, load {load_average()}"
+                f"storm +{time.time() - storm_start:.0f} s: {len(newcomers) - len(waiting) - len(ended)}/"
+                f"{len(newcomers)} newcomers contributed, {len(ended)} ended without, "
+                f"global step {history[-1]['step'] if history else -1}, load {load_average()}"
             )
             stop.wait(2)
         storm_end, sent_at_end = time.time(), sent_bytes()
