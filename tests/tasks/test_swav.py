@@ -368,7 +368,10 @@ def test_two_trainer_swarm_stays_in_sync(tmp_path):
     overrides = [
         "task.max_images=4096",
         "training.local_batch_size=16",
-        "collaboration.target_batch_size=64",
+        # 6 micro-batches per trainer and step: a step must outlast hivemind's progress refresh (about a second),
+        # or a trainer may reach the target before it sees the other and take global step 0 alone (it warns); the
+        # two then pair each other's rounds a step apart until the end (at 64 a loaded machine did that once)
+        "collaboration.target_batch_size=192",
         "collaboration.expected_peers=2",
         "training.max_global_steps=6",
         "task.total_steps=6",
