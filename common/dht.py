@@ -256,10 +256,16 @@ def announce_swarm_step(dht: hivemind.DHT, run_id: str, step: int, lifetime: flo
     up to ``metadata_expiration`` (60 s): when every trainer has crashed, the swarm's step vanishes from the DHT a
     minute later. This record keeps it while an auxiliary peer lives, so a newcomer still learns the step the swarm
     reached (``bound_state_downloads``)."""
+    store_signed(dht, swarm_step_key(run_id), int(step), lifetime)
+
+
+def store_signed(dht: hivemind.DHT, key: str, value, lifetime: float) -> None:
+    """Store ``value`` under ``key`` for ``lifetime`` seconds in this peer's own subkey, signed with its key: other
+    peers' records under the same key stay, and only this peer can replace its own. Does not wait for the store."""
     dht.store(
-        key=swarm_step_key(run_id),
+        key=key,
         subkey=RSASignatureValidator().local_public_key,
-        value=int(step),
+        value=value,
         expiration_time=get_dht_time() + lifetime,
         return_future=True,
     )

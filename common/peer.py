@@ -14,14 +14,13 @@ from typing import Callable, List, Optional, Sequence
 import hivemind
 import yaml
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.utils import get_dht_time
 from hivemind.utils.auth import AuthorizerBase
 
 from common import startup
 from common.auth import authorize
 from common.bandwidth import bandwidth_for_averager, measure_link_to_initial_peer, serve_bandwidth_probe
 from common.config import CONFIG_KEYS_HELP, Backend, RunConfig, load_config, to_container, to_yaml
-from common.dht import in_unrouted_range, join_command, listening_port, start_dht, visible_multiaddrs
+from common.dht import in_unrouted_range, join_command, listening_port, start_dht, store_signed, visible_multiaddrs
 from common.hivemind_compat import sign_with_identity_key
 from common.identity import IDENTITY_FILE, PeerIdentity, load_identity
 from common.lifecycle import StopFlag, setup_logging
@@ -235,13 +234,7 @@ def entry_peers_key(run_id: str) -> str:
 
 def announce_entry_peer(dht: hivemind.DHT, run_id: str, addresses: Sequence[str], lifetime: float) -> None:
     """Announce ``addresses`` as a way into the run for ``lifetime`` seconds (signed: only we can replace them)."""
-    dht.store(
-        key=entry_peers_key(run_id),
-        subkey=RSASignatureValidator().local_public_key,
-        value=list(addresses),
-        expiration_time=get_dht_time() + lifetime,
-        return_future=True,
-    )
+    store_signed(dht, entry_peers_key(run_id), list(addresses), lifetime)
 
 
 def read_entry_peers(dht: hivemind.DHT, run_id: str, timeout: float = 10.0) -> List[str]:
