@@ -7,7 +7,8 @@ cd "$ROOT"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline WANDB_SILENT=true
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# Whole files on 4 test processes (--dist loadfile, the files with the longest multi-peer tests first:
-# tests/conftest.py): ~32 minutes for the whole suite on 2 cores instead of ~40-50 in one process. `-n 0` runs one
-# process; `-m "not slow"` is the fast tier (~3 minutes).
-exec .venv/bin/python -m pytest tests -n 4 --dist loadfile "$@"
+# One test process (about 40 minutes on 2 cores). `-n 4` runs whole files on 4 processes (--dist loadfile, the
+# longest first: tests/conftest.py) in about 32 minutes, but under that load two timing-dependent swarm tests
+# (test_diloco_swarm's outer step, test_volunteer_join's firewalled volunteer) failed once in two clean runs:
+# paper_results/core/test_suite_times.md. `-m "not slow"` is the fast tier (about 3 minutes with -n 4).
+exec .venv/bin/python -m pytest tests -n 0 --dist loadfile "$@"
