@@ -33,6 +33,9 @@ CHECKPOINT_RETRY_MAX_SECONDS = 16.0
 FINAL_POLL_SECONDS = 5.0  # the last look for records while stopping
 DHT_ALIVE_CHECK_SECONDS = 1.0  # how often a wait for the DHT's answer checks that its process still runs
 ENTRY_PEERS_REFRESH_SECONDS = 30.0  # how often the join command is brought up to date with the live entry peers
+# how long checkpoint downloads fail before the monitor looks for a cause it can name: longer than a trainer takes to
+# declare its state after it starts, shorter than the minutes an operator would otherwise spend reading logs
+STATE_SERVERS_WARNING_SECONDS = 120.0
 
 
 class MetricsLogger:
@@ -135,6 +138,8 @@ class Monitor:
         self.state_averager: Optional[TrainingStateAverager] = None
         self.last_checkpoint_step = -1
         self.checkpoint_failures, self.next_checkpoint_attempt = 0, 0.0  # bounded retries with backoff
+        self.failing_since: Optional[float] = None  # when the current run of failed checkpoint downloads began
+        self.warned_no_state_servers = False
         if config.monitor.checkpoint_every_steps > 0:
             self.state_averager = make_checkpoint_state_averager(
                 self.dht,
@@ -244,8 +249,10 @@ class Monitor:
                 f"no peer served a state newer than global step {self.last_checkpoint_step} for a checkpoint "
                 f"(attempt {self.checkpoint_failures}{failure}); retrying in {delay:.0f} s"
             )
+            self.failing_since = self.failing_since if self.failing_since is not None else time.monotonic()
+            self.maybe_warn_no_state_servers()
             return
-        self.checkpoint_failures = 0
+        self.checkpoint_failures, self.failing_since = 0, None
         if not all(bool(torch.isfinite(param).all()) for param in self.task.model.parameters()):
             logger.error(f"the swarm's state at global step {step} is not finite: not checkpointing it")
             self.last_checkpoint_step = step
@@ -266,6 +273,36 @@ class Monitor:
         if self.dashboard is not None:
             self.dashboard.checkpoint_saved(step, path)
         self.export(step)
+
+    def state_servers(self) -> int:
+        """How many other peers offer their state for download now, read from the key hivemind's averagers
+        declare it under (a peer that does not share its state declares None)."""
+        declared, _ = self.dht.get(f"{self.state_averager.prefix}.all_averagers", latest=True) or ({}, None)
+        own = self.dht.peer_id.to_bytes()
+        return sum(
+            1
+            for peer, entry in declared.items()
+            if peer != own and isinstance(getattr(entry, "value", None), (int, float))
+        )
+
+    def maybe_warn_no_state_servers(self) -> None:
+        """One warning naming the cause when the downloads have failed for STATE_SERVERS_WARNING_SECONDS because no
+        peer offers a state: hivemind shares a state only from a non-auxiliary peer that accepts connections, so a
+        swarm whose trainers all run in client mode never serves one (found by the sahajBERT rehearsal), and
+        the per-attempt warnings alone do not say so."""
+        if self.warned_no_state_servers or self.failing_since is None:
+            return
+        if time.monotonic() - self.failing_since < STATE_SERVERS_WARNING_SECONDS or self.state_servers() > 0:
+            return
+        self.warned_no_state_servers = True
+        held = "none" if self.last_checkpoint_step < 0 else f"global step {self.last_checkpoint_step}"
+        logger.warning(
+            f"no peer has offered the training state for {time.monotonic() - self.failing_since:.0f} s while the "
+            f"swarm reached global step {self.aggregator.max_seen_step}: hivemind serves the state only from "
+            f"trainers that accept connections, so with every trainer in network.client_mode=true newcomers get "
+            f"no state newer than this monitor's checkpoint ({held}) and no newer checkpoint is written; start at "
+            f"least one trainer with a reachable address and network.client_mode=false"
+        )
 
     def maybe_refresh_join_command(self) -> None:
         """List the live auxiliary peers' addresses in the join command beside ours: a volunteer joins through any
