@@ -4,8 +4,9 @@ Every setup trains the same task from the same config and seed for the same numb
 global batch (so the same number of samples): one process, torch DDP with N gloo workers, and a local hivemind
 swarm of N trainers under each semantics (``diloco`` once per chosen number of inner steps). Each setup writes the
 common per-global-step history format (``history.jsonl``); the final models are scored on one fixed set of
-evaluation batches. While a setup runs, the TCP bytes each of its processes sends are read from the kernel
-(``SocketBytes``), so setups are compared by what they put on the wire as well as by loss.
+evaluation batches, and so are its checkpoints along the way (held-out curves). While a setup runs, the TCP bytes
+each of its processes sends are read from the kernel (``SocketBytes``; on emulated hosts, ``netns.HostTraffic``),
+so setups are compared by what they put on the wire as well as by loss.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import psutil
 import torch
 
+from common.checkpoints import CHECKPOINT_DIR, list_checkpoints, read_state_file
 from common.config import RunConfig, import_task_module
 from common.errors import DataError, PeerError
 from common.lifecycle import StopFlag
@@ -33,6 +35,7 @@ from common.metrics import HistoryWriter
 from common.roles.trainer import FINAL_STATE_FILE
 from common.seeding import stable_seed
 from common.swarm import ROOT, stop_process_group
+from common.tools.netns import HostTraffic, NetworkSetup
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,25 @@ class SetupRun:
     finished: float
     exit_code: int
     bytes_sent: Dict[str, int] = field(default_factory=dict)  # TCP bytes sent per process label (SocketBytes)
+    # on emulated hosts (a swarm with a network setup): each host's role, the bytes its link sent and its TCP
+    # bytes per destination host (netns.HostTraffic); empty on loopback
+    hosts: Dict[str, Dict] = field(default_factory=dict)
+
+    def trainer_names(self) -> List[str]:
+        """A swarm's trainers, by peer name (their run folders): the emulated hosts' or trainer<i>."""
+        if self.hosts:
+            return [name for name, host in self.hosts.items() if host["role"] == "trainer"]
+        return sorted(path.name for path in self.run_dir.glob("trainer*") if path.is_dir())
+
+    def final_model_path(self) -> Path:
+        """The model a setup is scored by: the process's, DDP worker 0's, a swarm's first trainer's."""
+        if self.setup.kind == "collaborative" and self.hosts:
+            return self.run_dir / self.trainer_names()[0] / FINAL_STATE_FILE
+        return self.setup.final_model_path(self.run_dir)
+
+    def checkpoint_dir(self) -> Path:
+        """Where the setup's checkpoints along the way are (the monitor's for a swarm)."""
+        return self.setup.history_path(self.run_dir).parent / CHECKPOINT_DIR
 
 
 class SocketBytes:
@@ -171,7 +193,16 @@ def torchrun_command(workers: int, config_path: str) -> List[str]:
     ]
 
 
-def launch_command(setup: Setup, config_path: str, overrides: Sequence[str], run_dir: Path, workers: int) -> List[str]:
+def launch_command(
+    setup: Setup,
+    config_path: str,
+    overrides: Sequence[str],
+    run_dir: Path,
+    workers: int,
+    network_setup: Optional[str] = None,
+) -> List[str]:
+    """``network_setup``: a swarm's peers each run on their own emulated host of that setup (local_swarm.py
+    --network-setup; the trainers are then its trainer hosts); one process and DDP stay on this machine."""
     if setup.kind == "single":
         return [
             sys.executable,
@@ -206,6 +237,7 @@ def launch_command(setup: Setup, config_path: str, overrides: Sequence[str], run
         "--output",
         str(run_dir),
         "--timeout=inf",  # the comparison's own --timeout is the one limit: it stops the setup and says so
+        *(["--network-setup", str(network_setup)] if network_setup else []),
         *overrides,
         "training.backend=collaborative",
         f"collaboration.semantics={setup.semantics}",
@@ -224,11 +256,14 @@ def run_setup(
     timeout: float,
     stop: StopFlag,
     inputs: str = "",
+    network: Optional[EmulatedHosts] = None,
 ) -> SetupRun:
     """Run one setup in its own process group, logging its progress; stop the whole group on timeout or signal.
-    ``inputs``: the task's input fingerprint, recorded so a later ``finished_run`` can tell if the inputs changed."""
+    ``inputs``: the task's input fingerprint, recorded so a later ``finished_run`` can tell if the inputs changed.
+    ``network``: a swarm runs on these emulated hosts (``launch_command``), whose traffic is read per host."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = launch_command(setup, config_path, overrides, run_dir, workers)
+    emulated = network if setup.kind == "collaborative" else None
+    command = launch_command(setup, config_path, overrides, run_dir, workers, network_setup_path(emulated))
     log_path = run_dir / "launcher.log"
     launched = time.time()
     with log_path.open("wb") as log:
@@ -237,7 +272,8 @@ def run_setup(
         )
     history = HistoryWriter(setup.history_path(run_dir).parent)
     last_log = last_poll = time.monotonic()
-    sockets = SocketBytes(process.pid)
+    # across namespaces a process's sockets are out of this one's sight: there each host's counters are read
+    sockets = SocketBytes(process.pid) if emulated is None else HostTraffic(process.pid, host_names(emulated))
     try:
         while process.poll() is None:
             if time.monotonic() - last_poll >= SOCKET_POLL_SECONDS:
@@ -259,16 +295,50 @@ def run_setup(
     if process.returncode != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-5:])
         raise PeerError(f"setup {setup.name} exited with code {process.returncode}: {tail}")
-    run = SetupRun(setup, run_dir, launched, time.time(), process.returncode, sockets.per_peer())
+    if emulated is None:
+        run = SetupRun(setup, run_dir, launched, time.time(), process.returncode, sockets.per_peer())
+    else:
+        hosts = host_traffic(emulated.setup, sockets)
+        run = SetupRun(setup, run_dir, launched, time.time(), process.returncode, hosts=hosts)
     record = {
         "recipe": recipe(command),
         "inputs": inputs,
         "launched": run.launched,
         "finished": run.finished,
         "bytes_sent": run.bytes_sent,
+        "hosts": run.hosts,
     }
     (run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1))
     return run
+
+
+@dataclass(frozen=True)
+class EmulatedHosts:
+    """A swarm's emulated hosts: the network setup file (handed to local_swarm.py) and what it holds."""
+
+    path: str
+    setup: NetworkSetup
+
+
+def network_setup_path(network: Optional[EmulatedHosts]) -> Optional[str]:
+    return network.path if network is not None else None
+
+
+def host_names(network: EmulatedHosts) -> List[str]:
+    return [host.name for host in network.setup.hosts]
+
+
+def host_traffic(network: NetworkSetup, traffic: HostTraffic) -> Dict[str, Dict]:
+    """Per emulated host: its role, the bytes its link sent, and its TCP bytes per destination host."""
+    sent_to = traffic.tcp_sent_to()
+    return {
+        host.name: {
+            "role": host.role,
+            "link_bytes_sent": traffic.link_sent.get(host.name, 0),
+            "tcp_bytes_sent_to": sent_to.get(host.name, {}),
+        }
+        for host in network.hosts
+    }
 
 
 def recipe(command: Sequence[str]) -> List[str]:
@@ -277,7 +347,13 @@ def recipe(command: Sequence[str]) -> List[str]:
 
 
 def finished_run(
-    setup: Setup, config_path: str, overrides: Sequence[str], run_dir: Path, workers: int, inputs: str = ""
+    setup: Setup,
+    config_path: str,
+    overrides: Sequence[str],
+    run_dir: Path,
+    workers: int,
+    inputs: str = "",
+    network: Optional[EmulatedHosts] = None,
 ) -> Optional[SetupRun]:
     """The run already in ``run_dir`` if it finished with exactly the command this comparison would launch, on
     the same inputs (``inputs``: the task's input fingerprint, e.g. its tokenizer's numbering).
@@ -290,12 +366,15 @@ def finished_run(
     if not record_path.is_file():
         return None
     record = json.loads(record_path.read_text())
-    if record.get("recipe") != recipe(launch_command(setup, config_path, overrides, run_dir, workers)):
+    emulated = network if setup.kind == "collaborative" else None
+    command = launch_command(setup, config_path, overrides, run_dir, workers, network_setup_path(emulated))
+    if record.get("recipe") != recipe(command):
         return None
     if record.get("inputs", "") != inputs:
         logger.info(f"{setup.name}: the finished run in {run_dir} was trained on other inputs; running it again")
         return None
-    return SetupRun(setup, run_dir, record["launched"], record["finished"], 0, record.get("bytes_sent", {}))
+    sent, hosts = record.get("bytes_sent", {}), record.get("hosts", {})
+    return SetupRun(setup, run_dir, record["launched"], record["finished"], 0, sent, hosts)
 
 
 def log_progress(setup: Setup, history: List[dict], elapsed: float, max_steps: int) -> None:
@@ -349,7 +428,12 @@ def evaluate(task, batches: List[dict], state_path: Path) -> Dict[str, float]:
         state = torch.load(state_path, map_location="cpu")
     except Exception as error:  # a truncated or foreign file: unpickling fails in many ways
         raise DataError(f"cannot read the final model {state_path}: {type(error).__name__}: {error}") from None
-    task.model.load_state_dict(state)
+    return evaluate_weights(task, batches, state)
+
+
+def evaluate_weights(task, batches: List[dict], weights: dict) -> Dict[str, float]:
+    """``evaluate`` for a model state dict in memory."""
+    task.model.load_state_dict(weights)
     task.model.eval()
     totals: Dict[str, float] = {}
     samples = 0
@@ -362,12 +446,43 @@ def evaluate(task, batches: List[dict], state_path: Path) -> Dict[str, float]:
     return {name: total / samples for name, total in totals.items()}
 
 
+def heldout_curve(run: SetupRun, task, batches: List[dict]) -> List[Dict]:
+    """Held-out loss and metrics along the run: each checkpoint the setup saved (a swarm's: the monitor's, of the
+    state the swarm served; diloco's: its outer parameters) and the final model, each at the samples the run had
+    seen and the wall time it had taken when it reached that global step (from its history)."""
+    rows = curve_rows(run)
+    points = []
+    for path in list_checkpoints(run.checkpoint_dir()):
+        state = read_state_file(path)
+        points.append((int(state["step"]), "checkpoint", state["model"]))
+    if rows:
+        points.append((rows[-1]["step"] + 1, "final", torch.load(run.final_model_path(), map_location="cpu")))
+    curve = []
+    for steps_done, source, weights in points:
+        reached = [row for row in rows if row["step"] < steps_done]
+        if not reached:
+            continue  # a checkpoint of the initial state: no samples seen yet
+        evaluation = evaluate_weights(task, batches, weights)
+        curve.append(
+            {
+                "setup": run.setup.name,
+                "global_steps": steps_done,
+                "source": source,
+                "samples_seen": reached[-1]["samples_seen"],
+                "wall_seconds": reached[-1]["wall_seconds"],
+                "eval_loss": evaluation["loss"],
+                **{f"eval_{name}": value for name, value in sorted(evaluation.items()) if name != "loss"},
+            }
+        )
+    return curve
+
+
 def worker_summaries(run: SetupRun) -> List[Dict]:
     """The summary.json of each process that trained (the single process, each DDP worker, each trainer)."""
     folders = {
         "single": [run.run_dir],
         "ddp": sorted(run.run_dir.glob("worker*")),
-        "collaborative": sorted(run.run_dir.glob("trainer*")),
+        "collaborative": [run.run_dir / name for name in run.trainer_names()],
     }[run.setup.kind]
     paths = [folder / "summary.json" for folder in folders]
     return [json.loads(path.read_text()) for path in paths if path.is_file()]
@@ -379,6 +494,9 @@ def traffic_and_utilisation(run: SetupRun, samples: int) -> Dict:
     and the trainers' mean compute utilisation (share of wall time in forward and backward passes) and share of
     computed samples that entered a global step."""
     trainers = {label: sent for label, sent in run.bytes_sent.items() if not label.startswith("monitor@")}
+    wire = {}
+    if run.hosts:
+        trainers, wire = trainer_host_bytes(run.hosts)
     summaries = worker_summaries(run)
     total = sum(trainers.values())
 
@@ -389,9 +507,26 @@ def traffic_and_utilisation(run: SetupRun, samples: int) -> Dict:
     return {
         "mb_sent_per_trainer": total / max(len(trainers), 1) / 1e6 if run.setup.kind != "single" else 0.0,
         "bytes_sent_per_sample": total / samples if samples and run.setup.kind != "single" else 0.0,
+        "link_bytes_sent_per_sample": sum(wire.values()) / samples if wire and samples else None,
         "compute_share": mean("compute_share"),
         "used_share": mean("used_share"),
     }
+
+
+def trainer_host_bytes(hosts: Dict[str, Dict]) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """On emulated hosts, per trainer: the TCP bytes it sent to the swarm (to trainers and auxiliary peers: what
+    training costs; what it sent the monitor, the history and checkpoint downloads, is left out), and every byte
+    its link sent (headers, the monitor's share and short connections included)."""
+    roles = {name: host["role"] for name, host in hosts.items()}
+    swarm, link = {}, {}
+    for name, host in hosts.items():
+        if host["role"] != "trainer":
+            continue
+        swarm[name] = sum(
+            sent for destination, sent in host["tcp_bytes_sent_to"].items() if roles.get(destination) != "monitor"
+        )
+        link[name] = host["link_bytes_sent"]
+    return swarm, link
 
 
 def summarize(run: SetupRun, rows: List[Dict], evaluation: Dict[str, float], tail_steps: int = 3) -> Dict:
@@ -481,6 +616,36 @@ def plot_curves(rows: List[Dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
+def plot_heldout(rows: List[Dict], path: Path, title: str) -> None:
+    """Held-out loss and the task's first other metric (e.g. MLM accuracy) against samples and wall time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = ["eval_loss", *sorted({key for row in rows for key in row if key.startswith("eval_")} - {"eval_loss"})]
+    metrics = [name for name in metrics if not name.endswith("_loss") or name == "eval_loss"][:2]
+    figure, axes = plt.subplots(len(metrics), 2, figsize=(12, 4.2 * len(metrics)), squeeze=False)
+    for setup in dict.fromkeys(row["setup"] for row in rows):
+        own = [row for row in rows if row["setup"] == setup]
+        style = {"linestyle": "--"} if setup in ("single", "single_dpu", BASELINE) else {}
+        for line, metric in zip(axes, metrics):
+            for axis, x in zip(line, ("samples_seen", "wall_seconds")):
+                xs, ys = [row[x] for row in own], [row[metric] for row in own]
+                axis.plot(xs, ys, marker="o", ms=3, label=setup, **style)
+    for line, metric in zip(axes, metrics):
+        line[0].set_ylabel(f"held-out {metric[len('eval_') :].replace('_', ' ')}")
+        line[0].set_xlabel("samples seen")
+        line[1].set_xlabel("wall time since launch (s)")
+        for axis in line:
+            axis.grid(alpha=0.3)
+    axes[0][1].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def summary_table(summaries: List[Dict]) -> str:
     def number(value, digits):
         return "n/a" if value is None else f"{value:.{digits}f}"
@@ -499,6 +664,7 @@ def summary_table(summaries: List[Dict]) -> str:
             and not key.endswith("_loss")
         }
     )
+    links = any(summary.get("link_bytes_sent_per_sample") is not None for summary in summaries)
     header = [
         "setup",
         "steps",
@@ -512,6 +678,7 @@ def summary_table(summaries: List[Dict]) -> str:
         "samples/s end-to-end",
         "wall s",
         "bytes sent per sample",
+        *(["link bytes sent per sample"] if links else []),
         "MB sent per trainer",
         "computing",
         "samples used",
@@ -533,6 +700,7 @@ def summary_table(summaries: List[Dict]) -> str:
             number(summary["samples_per_second_end_to_end"], 1),
             summary["wall_seconds"],
             number(summary.get("bytes_sent_per_sample"), 0),
+            *([number(summary.get("link_bytes_sent_per_sample"), 0)] if links else []),
             number(summary.get("mb_sent_per_trainer"), 1),
             percent(summary.get("compute_share")),
             percent(summary.get("used_share")),

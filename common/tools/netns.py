@@ -15,6 +15,7 @@ otherwise :class:`NetworkEmulationUnavailable` says what is missing, and launche
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import re
@@ -26,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -434,3 +435,95 @@ class EmulatedNetwork:
         )
         if result.returncode != 0:
             raise NetworkEmulationError(f"nft in {namespace} failed: {' '.join(result.stderr.split())[:300]}")
+
+
+# --- traffic counters ------------------------------------------------------------------------------------------
+# Read from outside the namespaces, by a process that did not create them (e.g. a driver polling a launcher's
+# network): the namespace names carry their owner's pid, so the owner's hosts are found without asking it.
+
+
+def host_namespaces(owner_pid: int) -> Dict[int, str]:
+    """The host namespaces (by host index) of the EmulatedNetwork that process ``owner_pid`` runs now."""
+    found = {}
+    for name in list_namespaces():
+        match = re.fullmatch(rf"{NAMESPACE_PREFIX}{owner_pid}-[0-9a-f]+-(\d+)", name)
+        if match:
+            found[int(match.group(1))] = name
+    return found
+
+
+def parse_interface_bytes_sent(link_json: str, interface: str = HOST_INTERFACE) -> Optional[int]:
+    """Bytes ``interface`` transmitted, from ``ip -s -j link`` (headers and retransmissions included: what the host
+    put on its link); None if the interface is not listed."""
+    for entry in json.loads(link_json or "[]"):
+        if entry.get("ifname") == interface:
+            return int(entry["stats64"]["tx"]["bytes"])
+    return None
+
+
+def parse_tcp_bytes_sent(listing: str) -> Dict[Tuple[str, str], int]:
+    """TCP payload bytes sent per connection, keyed by (local, peer) address, from ``ss -tinH`` (no ``-p``): a
+    connection's line is followed by an indented line of its counters."""
+    connections: Dict[Tuple[str, str], int] = {}
+    addresses = None
+    for line in listing.splitlines():
+        if not line.startswith((" ", "\t")):
+            fields = line.split()
+            addresses = (fields[3], fields[4]) if len(fields) >= 5 else None
+            continue
+        sent = re.search(r"bytes_sent:(\d+)", line)
+        if addresses is not None and sent is not None:
+            connections[addresses] = int(sent.group(1))
+        addresses = None
+    return connections
+
+
+def address_host(address: str) -> Optional[int]:
+    """The host index an ``ip:port`` of the emulated subnet belongs to (None outside it)."""
+    match = re.fullmatch(rf"{re.escape(SUBNET_PREFIX)}\.(\d+):\d+", address)
+    return int(match.group(1)) - 1 if match else None
+
+
+class HostTraffic:
+    """What each emulated host of a running network sent: its link's transmitted bytes, and its TCP bytes per
+    destination host, sampled from outside (``sample()``, e.g. every 2 s) while the owner's network exists.
+
+    The link counter is cumulative and complete up to the last sample (the last one lands at most one poll
+    before the owner tears the network down, after its peers stopped). The TCP counters split that traffic by
+    destination (e.g. to leave out what a host sent to the monitor): each connection's count is the largest seen,
+    so a connection that opens and closes between two samples, or what one sends in its last poll interval, is
+    missed, and the split is a lower bound. Loopback connections inside a host are not counted.
+    """
+
+    def __init__(self, owner_pid: int, host_names: Sequence[str]):
+        self.owner_pid, self.host_names = owner_pid, list(host_names)
+        self.link_sent: Dict[str, int] = {}
+        self.connections: Dict[Tuple[str, str, str], int] = {}  # (host, local, peer) -> bytes sent
+
+    def sample(self) -> None:
+        for index, namespace in host_namespaces(self.owner_pid).items():
+            if index >= len(self.host_names):
+                continue
+            host = self.host_names[index]
+            links = subprocess.run(["ip", "-n", namespace, "-s", "-j", "link"], capture_output=True, text=True)
+            sockets = subprocess.run(["ss", "-N", namespace, "-tinH"], capture_output=True, text=True)
+            if links.returncode == 0:
+                sent = parse_interface_bytes_sent(links.stdout)
+                if sent is not None:
+                    self.link_sent[host] = max(self.link_sent.get(host, 0), sent)
+            if sockets.returncode == 0:
+                for (local, peer), sent in parse_tcp_bytes_sent(sockets.stdout).items():
+                    if address_host(peer) is None:
+                        continue  # a loopback connection inside the host
+                    key = (host, local, peer)
+                    self.connections[key] = max(self.connections.get(key, 0), sent)
+
+    def tcp_sent_to(self) -> Dict[str, Dict[str, int]]:
+        """TCP bytes each host sent, per destination host."""
+        totals: Dict[str, Dict[str, int]] = {}
+        for (host, _, peer), sent in self.connections.items():
+            index = address_host(peer)
+            destination = self.host_names[index] if index is not None and index < len(self.host_names) else peer
+            totals.setdefault(host, {})
+            totals[host][destination] = totals[host].get(destination, 0) + sent
+        return totals
