@@ -63,17 +63,40 @@ class Setup:
         return folder / FINAL_STATE_FILE
 
 
-def all_setups(diloco_inner_steps: Sequence[int] = ()) -> List[Setup]:
-    """The setups a comparison can run; ``diloco_inner_steps``: a ``collab_diloco_h<H>`` swarm for each H."""
+def diloco_setup(inner_steps: int, outer_lr: Optional[float] = None) -> Setup:
+    """``collab_diloco_h<H>``, or ``collab_diloco_h<H>_lr<outer lr>`` for an outer learning rate of its own."""
+    if outer_lr is None:
+        return Setup(
+            f"collab_diloco_h{inner_steps}", "collaborative", "diloco", (f"collaboration.inner_steps={inner_steps}",)
+        )
+    return Setup(
+        f"collab_diloco_h{inner_steps}_lr{outer_lr:g}",
+        "collaborative",
+        "diloco",
+        (f"collaboration.inner_steps={inner_steps}", f"collaboration.outer_lr={outer_lr:g}"),
+    )
+
+
+def parse_diloco_setup(text: str) -> Tuple[int, Optional[float]]:
+    """``H`` or ``H:OUTER_LR`` (--diloco-inner-steps); a ValueError names what is wrong."""
+    steps, _, lr = text.partition(":")
+    try:
+        inner_steps, outer_lr = int(steps), (float(lr) if lr else None)
+    except ValueError:
+        raise ValueError(f"{text!r} is not H or H:OUTER_LR (e.g. 25 or 25:0.5)") from None
+    if inner_steps < 1 or (outer_lr is not None and not outer_lr > 0):
+        raise ValueError(f"{text!r}: H must be >= 1 and an outer lr > 0")
+    return inner_steps, outer_lr
+
+
+def all_setups(diloco_inner_steps: Sequence = ()) -> List[Setup]:
+    """The setups a comparison can run; ``diloco_inner_steps``: a diloco swarm for each H, or (H, outer lr)."""
     return [
         Setup("single", "single"),
         Setup("single_dpu", "single", "dpu"),  # one process with dpu's one-step-stale updates: collab_dpu's reference
         Setup(BASELINE, "ddp"),
         *(Setup(f"collab_{semantics}", "collaborative", semantics) for semantics in SEMANTICS),
-        *(
-            Setup(f"collab_diloco_h{steps}", "collaborative", "diloco", (f"collaboration.inner_steps={steps}",))
-            for steps in diloco_inner_steps
-        ),
+        *(diloco_setup(*(item if isinstance(item, tuple) else (item,))) for item in diloco_inner_steps),
     ]
 
 
@@ -225,6 +248,7 @@ def launch_command(
             "training.backend=ddp",
             f"training.output_dir={run_dir}",
         ]
+    run_label = (setup.name[len("collab_") :] if setup.overrides else setup.semantics).replace(".", "p")
     return [
         sys.executable,
         "scripts/local_swarm.py",
@@ -242,7 +266,7 @@ def launch_command(
         "training.backend=collaborative",
         f"collaboration.semantics={setup.semantics}",
         *setup.overrides,
-        f"collaboration.run_id=compare_{setup.name[len('collab_') :] if setup.overrides else setup.semantics}",
+        f"collaboration.run_id=compare_{run_label}",
     ]
 
 
@@ -571,6 +595,37 @@ def add_baseline_differences(summaries: List[Dict]) -> None:
         summary["eval_loss_vs_one_process_percent"] = percent_above(summary, reference)
 
 
+def interpolate(points: List[Tuple[float, float]], x: float) -> Optional[float]:
+    """The piecewise-linear value at ``x`` of points sorted by x; None outside them."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[0][1] if len(points) == 1 and points[0][0] == x else None
+
+
+def add_equal_sample_scores(summaries: List[Dict], heldout: List[Dict], reference: str = "collab_sync") -> None:
+    """Setups count different samples into the same global steps (a swarm keeps computing while a step boundary is
+    agreed): each setup's held-out loss and accuracy read off its held-out curve at the samples every setup
+    reached (the fewest any setup's final model saw), and bytes per sample against ``reference``'s."""
+    ends = [max(row["samples_seen"] for row in heldout if row["setup"] == s["setup"]) for s in summaries]
+    common = min(ends) if heldout and all(ends) else None
+    by_name = {summary["setup"]: summary for summary in summaries}
+    for summary in summaries:
+        own = sorted((row for row in heldout if row["setup"] == summary["setup"]), key=lambda row: row["samples_seen"])
+        for metric in ("eval_loss", "eval_mlm_accuracy"):
+            points = [(row["samples_seen"], row[metric]) for row in own if row.get(metric) is not None]
+            summary[f"{metric}_at_equal_samples"] = interpolate(points, common) if points and common else None
+        summary["equal_samples"] = common
+    base = by_name.get(reference)
+    for summary in summaries:
+        loss, base_loss = summary["eval_loss_at_equal_samples"], (base or {}).get("eval_loss_at_equal_samples")
+        summary["eval_loss_at_equal_samples_vs_sync_percent"] = (
+            100.0 * (loss - base_loss) / base_loss if loss is not None and base_loss else None
+        )
+        sent, base_sent = summary.get("bytes_sent_per_sample"), (base or {}).get("bytes_sent_per_sample")
+        summary["bytes_per_sample_times_fewer_than_sync"] = base_sent / sent if sent and base_sent else None
+
+
 def write_csv(path: Path, rows: List[Dict]) -> None:
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
@@ -662,9 +717,11 @@ def summary_table(summaries: List[Dict]) -> str:
             if key.startswith("eval_")
             and key not in ("eval_loss", "eval_loss_vs_ddp_percent", "eval_loss_vs_one_process_percent")
             and not key.endswith("_loss")
+            and "_at_equal_samples" not in key
         }
     )
     links = any(summary.get("link_bytes_sent_per_sample") is not None for summary in summaries)
+    equal = any(summary.get("equal_samples") for summary in summaries)
     header = [
         "setup",
         "steps",
@@ -672,6 +729,15 @@ def summary_table(summaries: List[Dict]) -> str:
         "eval loss",
         "vs ddp",
         "vs one process, same updates",
+        *(
+            [
+                f"eval loss at {summaries[0]['equal_samples']} samples",
+                "vs sync at equal samples",
+                "mlm accuracy at equal samples",
+            ]
+            if equal
+            else []
+        ),
         "last-3-step train loss",
         *(name[len("eval_") :] for name in metrics),
         "samples/s steady",
@@ -679,6 +745,7 @@ def summary_table(summaries: List[Dict]) -> str:
         "wall s",
         "bytes sent per sample",
         *(["link bytes sent per sample"] if links else []),
+        *(["bytes per sample: x fewer than sync"] if equal else []),
         "MB sent per trainer",
         "computing",
         "samples used",
@@ -694,6 +761,17 @@ def summary_table(summaries: List[Dict]) -> str:
                 "n/a" if difference is None else f"{difference:+.2f} %"
                 for difference in (summary["eval_loss_vs_ddp_percent"], summary["eval_loss_vs_one_process_percent"])
             ),
+            *(
+                [
+                    number(summary["eval_loss_at_equal_samples"], 4),
+                    "n/a"
+                    if summary["eval_loss_at_equal_samples_vs_sync_percent"] is None
+                    else f"{summary['eval_loss_at_equal_samples_vs_sync_percent']:+.2f} %",
+                    number(summary.get("eval_mlm_accuracy_at_equal_samples"), 3),
+                ]
+                if equal
+                else []
+            ),
             number(summary["train_loss_last_steps"], 4),
             *(number(summary.get(name), 3) for name in metrics),
             number(summary["samples_per_second_steady"], 1),
@@ -701,6 +779,7 @@ def summary_table(summaries: List[Dict]) -> str:
             summary["wall_seconds"],
             number(summary.get("bytes_sent_per_sample"), 0),
             *([number(summary.get("link_bytes_sent_per_sample"), 0)] if links else []),
+            *([number(summary.get("bytes_per_sample_times_fewer_than_sync"), 1)] if equal else []),
             number(summary.get("mb_sent_per_trainer"), 1),
             percent(summary.get("compute_share")),
             percent(summary.get("used_share")),

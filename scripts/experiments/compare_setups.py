@@ -35,12 +35,14 @@ from common.tools.comparison import (
     SOCKET_POLL_SECONDS,
     EmulatedHosts,
     add_baseline_differences,
+    add_equal_sample_scores,
     all_setups,
     curve_rows,
     evaluate,
     evaluation_batches,
     finished_run,
     heldout_curve,
+    parse_diloco_setup,
     plot_curves,
     plot_heldout,
     plot_title,
@@ -95,10 +97,10 @@ def parse_arguments():
     )
     parser.add_argument(
         "--diloco-inner-steps",
-        type=int,
         nargs="*",
         default=[],
-        help="a collab_diloco_h<H> setup (semantics=diloco, collaboration.inner_steps=H) for each H given",
+        help="a collab_diloco_h<H> setup (semantics=diloco, collaboration.inner_steps=H) for each H given; "
+        "H:LR: collab_diloco_h<H>_lr<LR>, with collaboration.outer_lr=LR",
     )
     parser.add_argument("--output", default="paper_results/comparison", help="CSV, PNG and results.md go here")
     parser.add_argument("--runs", default="outputs/compare", help="run folders (logs, histories, final models)")
@@ -190,9 +192,11 @@ def main() -> None:
             f"collaboration.target_batch_size ({target}) must be a multiple of "
             f"training.local_batch_size x --workers ({local_batch} x {args.workers}) for the DDP baseline"
         )
-    if any(steps < 1 for steps in args.diloco_inner_steps):
-        raise ConfigError("--diloco-inner-steps: every value must be >= 1")
-    known = {setup.name: setup for setup in all_setups(args.diloco_inner_steps)}
+    try:
+        diloco = [parse_diloco_setup(text) for text in args.diloco_inner_steps]
+    except ValueError as error:
+        raise ConfigError(f"--diloco-inner-steps: {error}") from None
+    known = {setup.name: setup for setup in all_setups(diloco)}
     unknown = sorted(set(args.setups or []) - set(known))
     if unknown:
         raise ConfigError(f"--setups: unknown setup(s) {', '.join(unknown)} (choose from {', '.join(known)})")
@@ -241,6 +245,8 @@ def main() -> None:
         if args.eval_every:
             heldout.extend(heldout_curve(run, task, batches))
     add_baseline_differences(summaries)
+    if heldout:
+        add_equal_sample_scores(summaries, heldout)
 
     title = plot_title(setups, steps, target, args.workers, trainers)
     if network is not None:

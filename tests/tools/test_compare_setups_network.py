@@ -15,9 +15,12 @@ from common.metrics import HistoryWriter
 from common.tools.comparison import (
     EmulatedHosts,
     SetupRun,
+    add_equal_sample_scores,
     all_setups,
     heldout_curve,
+    interpolate,
     launch_command,
+    parse_diloco_setup,
     traffic_and_utilisation,
     trainer_host_bytes,
 )
@@ -190,3 +193,38 @@ def test_host_traffic_reads_what_a_host_sent_from_outside_its_namespace():
         assert sent_to.get("b", {}).get("a", 0) < 10_000  # b only acknowledged
     finally:
         assert not leftover_namespaces(before)
+
+
+def test_a_diloco_setup_may_carry_an_outer_lr_of_its_own_and_bad_ones_are_refused():
+    assert parse_diloco_setup("25") == (25, None) and parse_diloco_setup("25:0.5") == (25, 0.5)
+    for bad in ("0", "x", "25:", "25:-1", "25:abc"):
+        if bad == "25:":
+            assert parse_diloco_setup(bad) == (25, None)
+            continue
+        with pytest.raises(ValueError, match=bad):
+            parse_diloco_setup(bad)
+    setup = {setup.name: setup for setup in all_setups([(25, 0.5)])}["collab_diloco_h25_lr0.5"]
+    command = launch_command(setup, "configs/albert/tiny.yaml", [], ROOT, 4)
+    assert "collaboration.outer_lr=0.5" in command and "collaboration.inner_steps=25" in command
+    assert command[-1] == "collaboration.run_id=compare_diloco_h25_lr0p5"  # a valid run id
+
+
+def test_setups_are_compared_at_the_samples_every_one_reached():
+    heldout = [
+        {"setup": "collab_sync", "samples_seen": 1000, "eval_loss": 9.0, "eval_mlm_accuracy": 0.0},
+        {"setup": "collab_sync", "samples_seen": 3000, "eval_loss": 8.0, "eval_mlm_accuracy": 0.2},
+        {"setup": "collab_diloco_h25", "samples_seen": 1200, "eval_loss": 8.5, "eval_mlm_accuracy": 0.1},
+        {"setup": "collab_diloco_h25", "samples_seen": 2000, "eval_loss": 8.2, "eval_mlm_accuracy": 0.1},
+    ]
+    summaries = [
+        {"setup": "collab_sync", "bytes_sent_per_sample": 60000.0},
+        {"setup": "collab_diloco_h25", "bytes_sent_per_sample": 1200.0},
+    ]
+    add_equal_sample_scores(summaries, heldout)
+    sync, diloco = summaries
+    assert sync["equal_samples"] == diloco["equal_samples"] == 2000
+    assert sync["eval_loss_at_equal_samples"] == pytest.approx(8.5)
+    assert diloco["eval_loss_at_equal_samples"] == pytest.approx(8.2)
+    assert diloco["eval_loss_at_equal_samples_vs_sync_percent"] == pytest.approx(-30 / 8.5)
+    assert diloco["bytes_per_sample_times_fewer_than_sync"] == pytest.approx(50.0)
+    assert interpolate([(1.0, 2.0), (3.0, 4.0)], 0.5) is None
