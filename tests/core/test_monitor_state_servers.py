@@ -7,6 +7,8 @@ import logging
 import time
 from types import SimpleNamespace
 
+import hivemind
+import pytest
 import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
@@ -97,3 +99,38 @@ def test_a_served_checkpoint_resets_the_failure_clock():
     monitor.task = SimpleNamespace(model=SimpleNamespace(parameters=lambda: [torch.tensor(float("nan"))]))
     attempts(monitor, 1)
     assert monitor.failing_since is None and monitor.checkpoint_failures == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_count_reads_what_real_hivemind_averagers_declare():
+    """The key, its subkeys (peer ids as bytes) and a non-sharing peer's None as hivemind 1.1.12 writes them."""
+    prefix = "run_state_averager"
+    first = hivemind.DHT(start=True)
+    other = hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs())
+    averagers = []
+    try:
+        monitor = failing_monitor({})
+        monitor.dht, monitor.state_averager = first, SimpleNamespace(prefix=prefix)
+
+        def averager(dht, sharing: bool):
+            averagers.append(
+                hivemind.DecentralizedAverager(
+                    [torch.zeros(2)], dht, prefix=prefix, target_group_size=2, start=True, allow_state_sharing=sharing
+                )
+            )
+
+        averager(first, True)  # the monitor's own declaration does not count
+        averager(other, False)  # an auxiliary or client-mode peer declares None
+        time.sleep(2.0)
+        assert monitor.state_servers() == 0
+        averagers[-1].allow_state_sharing = True  # re-declared at once with its priority
+        deadline = time.monotonic() + 30
+        while monitor.state_servers() == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert monitor.state_servers() == 1
+    finally:
+        for each in averagers:
+            each.shutdown()
+        other.shutdown()
+        first.shutdown()
