@@ -11,9 +11,8 @@ import re
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import TYPE_CHECKING, Iterator, List, Optional
 
-import datasets
 import torch
 
 from albert.data import SpecialIds, cache_key, create_sop_instances, mask_tokens, special_ids
@@ -22,6 +21,9 @@ from albert.tokenizer import TOKENIZER_FORMAT_VERSION
 from common.errors import DataError
 from common.seeding import stable_seed
 from common.task import SAMPLE_IDS, Batch
+
+if TYPE_CHECKING:  # imported where a stream is opened, so that peers of the other tasks skip its import time
+    import datasets
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ def split_sentences(document: str) -> List[str]:
 
 def open_source(name: str, config_name: Optional[str]) -> datasets.IterableDataset:
     """One source as a streaming dataset with only its ``text`` column."""
+    import datasets
+
     path = Path(name)
     try:
         if path.exists():
@@ -98,6 +102,8 @@ def open_source(name: str, config_name: Optional[str]) -> datasets.IterableDatas
 
 def mixed_stream(config: StreamConfig, seed: int) -> datasets.IterableDataset:
     """Endless documents ``{"text", "source_index"}``: sources repeated, interleaved by probability, shuffled."""
+    import datasets
+
     sources = [
         open_source(name, config_name)
         .map(lambda _example, index=index: {SOURCE_COLUMN: index})
