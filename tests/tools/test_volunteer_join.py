@@ -30,6 +30,9 @@ STEPS = 3
 ORGANISER_OVERRIDES = [  # a small, fast run; the run-defining ones reach volunteers through the printed command
     f"training.max_global_steps={STEPS}",
     "collaboration.expected_peers=2",
+    # volunteer2 trains a tokenizer and builds its examples before it reaches the start barrier: on a busy machine
+    # that takes longer than the barrier's default 120 s, after which volunteer1 would train alone
+    "collaboration.start_barrier_timeout=400",
     "collaboration.target_batch_size=256",
     "collaboration.matchmaking_time=1.5",
     "collaboration.averaging_timeout=20",
@@ -131,6 +134,9 @@ def test_volunteers_pasting_the_printed_command_on_other_hosts_are_two_contribut
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in volunteers}
     assert codes == {"volunteer1": 0, "volunteer2": 0}, {name: log[-3000:] for name, log in logs.items()}
     assert monitor_code == 0, monitor_log.read_text()[-3000:]
+    assert all("start barrier passed: 2 trainers visible" in log for log in logs.values()), {
+        name: log[-3000:] for name, log in logs.items()
+    }
 
     # identity: each volunteer is its own peer id, with a name derived from it
     peer_ids = {name: load_identity(tmp_path / name / "identity.key").peer_id for name in volunteers}
