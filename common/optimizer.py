@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import hivemind
 import torch
@@ -130,6 +132,16 @@ SEMANTICS = {
 # epochs" is pushed beyond any run's length
 NEVER = 2**62
 OUTER_MOMENTUM = "outer_momentum"  # the served state's metadata key: how many outer momentum tensors end the state
+OUTER_LINEAGE = "outer_lineage"  # the served state's metadata key: which outer steps made the outer parameters
+REALIGNING_GROUP_BITS = "1"  # realigning rounds match only each other, never a pseudo-gradient round (group key "")
+
+
+def next_outer_lineage(lineages: Iterable[str], epoch: int, members: Iterable[str], kind: str = "outer step") -> str:
+    """The lineage of outer parameters after a round: a digest of the lineages they came from, the global step and
+    the round's members. Every member of one round computes the same value, so equal lineages mean "made by the
+    same outer steps"; a peer that stepped alone, or in another group, gets another one."""
+    record = json.dumps([kind, int(epoch), sorted(set(lineages)), sorted(set(members))])
+    return hashlib.sha256(record.encode()).hexdigest()[:16]
 
 
 def make_outer_optimizer(params: Sequence[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
@@ -166,6 +178,7 @@ class DiLoCoStateAverager(TrainingStateAverager):
     def __init__(self, *, outer_optimizer: torch.optim.Optimizer, **kwargs):
         self.outer_optimizer = outer_optimizer
         self.outer_parameters = [param for group in outer_optimizer.param_groups for param in group["params"]]
+        self.outer_lineage = ""  # every fresh peer starts from the same seeded parameters
         super().__init__(**kwargs)
 
     def get_current_state(self):
@@ -178,7 +191,7 @@ class DiLoCoStateAverager(TrainingStateAverager):
             CompressionInfo.from_tensor(buffer, key=f"{OUTER_MOMENTUM}{index}", role=TensorRole.OPTIMIZER)
             for index, buffer in enumerate(momentum)
         ]
-        metadata = dict(metadata, **{OUTER_MOMENTUM: len(momentum)})
+        metadata = dict(metadata, **{OUTER_MOMENTUM: len(momentum), OUTER_LINEAGE: self.outer_lineage})
         return metadata, [*outer, *tensors[count:], *momentum], [*infos, *momentum_infos]
 
     def load_state_from_peers(self, **kwargs):
@@ -218,6 +231,7 @@ class DiLoCoStateAverager(TrainingStateAverager):
                 tensor.copy_(value)
             for buffer, value in zip(momentum, loaded_momentum):
                 buffer.copy_(value)
+            self.outer_lineage = str(metadata.get(OUTER_LINEAGE, ""))
         if not self.reuse_tensors:
             self._load_local_tensors_into_averager_()
         self.local_epoch = metadata["epoch"]
@@ -240,8 +254,10 @@ class DiLoCoOptimizer(hivemind.Optimizer):
 
     Communication: one all-reduce of the parameters' size every ``inner_steps`` global steps instead of one every
     global step. A trainer alone in the swarm, or one whose round found no group, applies its own pseudo-gradient
-    (one WARNING line); the next round pulls it back, and a trainer that falls a global step behind downloads the
-    swarm's outer state (``DiLoCoStateAverager``) as any hivemind peer does.
+    (one WARNING line). Its outer parameters then have another history than the swarm's, which averaging
+    pseudo-gradients alone would never undo: each round gathers the members' outer lineages, and members that find
+    different ones average their outer state itself (``_realign_outer_state``). A trainer that falls a global step
+    behind downloads the swarm's outer state (``DiLoCoStateAverager``) as any hivemind peer does.
     """
 
     def __init__(
@@ -314,24 +330,28 @@ class DiLoCoOptimizer(hivemind.Optimizer):
         params = [param for group in self.param_groups for param in group["params"]]
         with torch.no_grad():
             pseudo_gradients = [outer - param.detach().cpu() for outer, param in zip(self.outer_parameters, params)]
-        averaged, partners = pseudo_gradients, 0
+        averaged, lineages = pseudo_gradients, {}
         if self.tracker.global_progress.num_peers > 1:
             with self.outer_averager.get_tensors() as tensors:
                 for tensor, pseudo_gradient in zip(tensors, pseudo_gradients):
                     tensor.copy_(pseudo_gradient)
             try:
-                gathered = self.outer_averager.step(weight=1.0, timeout=self.averaging_timeout)
+                gathered = self.outer_averager.step(
+                    weight=1.0, gather=self.state_averager.outer_lineage, timeout=self.averaging_timeout
+                )
             except Exception as error:  # no group within the timeout, a partner failed: this peer steps on its own
                 gathered = None
                 logger.debug(f"outer averaging round failed: {error!r}")
-            if gathered:
-                partners = len(gathered) - 1
+            if gathered and len(gathered) > 1:
+                lineages = {str(peer): lineage for peer, lineage in gathered.items() if lineage is not None}
                 with self.outer_averager.get_tensors() as tensors:
                     averaged = [tensor.clone() for tensor in tensors]
-        if partners == 0 and self.tracker.global_progress.num_peers > 1:
+        partners = max(len(lineages) - 1, 0)  # auxiliary peers gather no lineage: they are not counted
+        if not lineages and self.tracker.global_progress.num_peers > 1:
             logger.warning(
                 f"outer step before global step {next_epoch} used this peer's pseudo-gradient only: its averaging "
-                f"round found no group (the next outer step pulls it back to the swarm)"
+                f"round found no group (its parameters now differ from the swarm's until a later round realigns "
+                f"them)"
             )
         with torch.no_grad(), self.state_averager.lock_averaged_tensors:
             for outer, pseudo_gradient in zip(self.outer_parameters, averaged):
@@ -340,11 +360,89 @@ class DiLoCoOptimizer(hivemind.Optimizer):
             for outer, param in zip(self.outer_parameters, params):
                 outer.grad = None
                 param.copy_(outer)
+        own = self.state_averager.outer_lineage
+        mixed = len(set(lineages.values())) > 1
+        self.state_averager.outer_lineage = next_outer_lineage(
+            lineages.values() or [own], next_epoch, lineages.keys() or [str(self.dht.peer_id)]
+        )
         self.outer_steps += 1
         logger.log(
             self.status_loglevel,
             f"outer step before global step {next_epoch}: pseudo-gradient averaged with {partners} other peer(s)",
         )
+        if mixed:
+            self._realign_outer_state(next_epoch)
+
+    def _realign_outer_state(self, next_epoch: int) -> None:
+        """Average the outer parameters and the outer momentum themselves, with the other peers that found in the
+        same round that their outer parameters have different histories.
+
+        Averaging pseudo-gradients keeps the swarm together only while every trainer starts each outer step from
+        the same outer parameters: a trainer that stepped alone (its round failed, or its progress tracker had not
+        seen the others yet) or in another group applies a different update, and from then on every averaged
+        pseudo-gradient moves it and the others by the same amount, so the difference would stay for good. Each
+        round therefore gathers every member's outer lineage (``next_outer_lineage``); members who see more than
+        one lineage in their round average their outer state in rounds of their own (group key bits
+        ``REALIGNING_GROUP_BITS``: they never mix with a pseudo-gradient round), one for the parameters and one for
+        the momentum, at the cost of two parameter-sized rounds only when it happens. A realigning round that finds
+        no partner leaves the state as it is and gives this peer a lineage of its own: the next outer round finds
+        the difference again."""
+        realigned = {}
+        try:
+            for state in (self.outer_parameters, outer_momentum_tensors(self.outer_optimizer)):
+                if not state:  # no momentum buffers at outer_momentum 0
+                    continue
+                members = self._average_in_a_realigning_round(state)
+                if len(members) < 2:
+                    logger.warning(
+                        f"outer state before global step {next_epoch} not realigned: no peer joined the round"
+                    )
+                    # a lineage of its own, so that the next outer round finds the difference again
+                    self.state_averager.outer_lineage = next_outer_lineage(
+                        [self.state_averager.outer_lineage], next_epoch, [str(self.dht.peer_id)], kind="not realigned"
+                    )
+                    return
+                realigned = realigned or members
+        finally:
+            params = [param for group in self.param_groups for param in group["params"]]
+            with torch.no_grad(), self.state_averager.lock_averaged_tensors:
+                for outer, param in zip(self.outer_parameters, params):
+                    param.copy_(outer)
+        self.state_averager.outer_lineage = next_outer_lineage(
+            realigned.values(), next_epoch, realigned.keys(), kind="realigned"
+        )
+        logger.warning(
+            f"outer state before global step {next_epoch}: realigned with {len(realigned) - 1} other peer(s) whose "
+            f"outer parameters had another history"
+        )
+
+    def _average_in_a_realigning_round(self, state: List[torch.Tensor]) -> dict:
+        """Average ``state`` in place with the peers of one realigning round; returns the members' lineages (none
+        when the round failed, and then ``state`` is left as it was)."""
+        # set before every round: hivemind moves an averager's group bits after each group it assembles
+        self.outer_averager.set_group_bits(REALIGNING_GROUP_BITS)
+        with self.outer_averager.get_tensors() as tensors:
+            for tensor, value in zip(tensors, state):
+                tensor.copy_(value)
+        try:
+            gathered = self.outer_averager.step(
+                weight=1.0, gather=self.state_averager.outer_lineage, timeout=self.averaging_timeout
+            )
+        except Exception as error:
+            gathered = None
+            logger.debug(f"realigning round failed: {error!r}")
+        finally:
+            self.outer_averager.set_group_bits("")
+        members = {str(peer): lineage for peer, lineage in (gathered or {}).items() if lineage is not None}
+        if len(members) >= 2:
+            with (
+                torch.no_grad(),
+                self.state_averager.lock_averaged_tensors,
+                self.outer_averager.get_tensors() as tensors,
+            ):
+                for tensor, value in zip(tensors, state):
+                    value.copy_(tensor)
+        return members
 
     def shutdown(self) -> None:
         if self.outer_averager.is_alive():

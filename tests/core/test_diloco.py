@@ -28,6 +28,7 @@ from common.optimizer import (
     load_outer_checkpoint_state,
     make_collaborative_optimizer,
     make_outer_optimizer,
+    next_outer_lineage,
     outer_checkpoint_state,
     outer_momentum_tensors,
 )
@@ -84,10 +85,94 @@ def lone_trainer(params, outer, outer_optimizer):
         outer_parameters=outer,
         outer_optimizer=outer_optimizer,
         tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=1)),
-        state_averager=SimpleNamespace(lock_averaged_tensors=contextlib.nullcontext()),
+        state_averager=SimpleNamespace(lock_averaged_tensors=contextlib.nullcontext(), outer_lineage=""),
+        dht=SimpleNamespace(peer_id="me"),
         status_loglevel=20,
         outer_steps=0,
     )
+
+
+class FakeOuterAverager:
+    """An outer averager whose rounds return fixed results: ``rounds`` holds, per call to ``step``, the gathered
+    lineages and the averaged tensors the round leaves."""
+
+    def __init__(self, tensors, rounds):
+        self.tensors, self.rounds, self.calls, self.group_bits = tensors, list(rounds), [], ""
+
+    @contextlib.contextmanager
+    def get_tensors(self):
+        yield self.tensors
+
+    def step(self, weight, gather, timeout):
+        self.calls.append((self.group_bits, gather, [tensor.clone() for tensor in self.tensors]))
+        gathered, averaged = self.rounds.pop(0)
+        for tensor, value in zip(self.tensors, averaged):
+            tensor.copy_(value)
+        return gathered
+
+    def set_group_bits(self, bits):
+        self.group_bits = bits
+
+
+def two_peer_trainer(model, outer, rounds):
+    trainer = lone_trainer(model, outer, make_outer_optimizer(outer, lr=0.5, momentum=0.9))
+    trainer.tracker.global_progress.num_peers = 2
+    trainer.outer_averager = FakeOuterAverager([torch.zeros_like(outer[0])], rounds)
+    trainer.averaging_timeout = 30.0
+    trainer._realign_outer_state = lambda epoch: DiLoCoOptimizer._realign_outer_state(trainer, epoch)
+    trainer._average_in_a_realigning_round = lambda state: DiLoCoOptimizer._average_in_a_realigning_round(
+        trainer, state
+    )
+    return trainer
+
+
+def test_lineages_agree_for_the_members_of_one_round_and_differ_otherwise():
+    together = next_outer_lineage(["a", "a"], 4, ["peer2", "peer1"])
+    assert together == next_outer_lineage(["a"], 4, ["peer1", "peer2"])  # every member computes the same
+    assert together != next_outer_lineage(["a"], 4, ["peer1"])  # one that stepped alone
+    assert together != next_outer_lineage(["a"], 6, ["peer1", "peer2"])  # another global step
+    assert together != next_outer_lineage(["a", "b"], 4, ["peer1", "peer2"])  # another history
+
+
+def test_a_round_of_one_lineage_takes_the_outer_step_only():
+    model, outer = [torch.nn.Parameter(torch.tensor([3.0]))], [torch.tensor([2.0])]
+    trainer = two_peer_trainer(model, outer, [({"me": "", "other": ""}, [torch.tensor([-1.5])])])
+    DiLoCoOptimizer._outer_step(trainer, next_epoch=2)
+    assert len(trainer.outer_averager.calls) == 1  # no realigning round
+    assert torch.allclose(outer[0], torch.tensor([2.0 - 0.5 * 1.9 * -1.5])) and torch.equal(model[0].data, outer[0])
+    assert trainer.state_averager.outer_lineage == next_outer_lineage([""], 2, ["me", "other"])
+
+
+def test_peers_with_different_lineages_average_their_outer_state_in_rounds_of_their_own():
+    """A peer that stepped alone before meets the swarm again: after the pseudo-gradient round it averages its
+    outer parameters and then its momentum with the round's other members, under the realigning group bits."""
+    model, outer = [torch.nn.Parameter(torch.tensor([3.0]))], [torch.tensor([2.0])]
+    pseudo_gradient_round = ({"me": "alone", "other": "swarm", "aux": None}, [torch.tensor([-1.0])])
+    after_step = next_outer_lineage(["alone", "swarm"], 4, ["me", "other"])  # both members compute it
+    parameter_round = ({"me": after_step, "other": after_step}, [torch.tensor([10.0])])
+    momentum_round = ({"me": after_step, "other": after_step}, [torch.tensor([0.25])])
+    trainer = two_peer_trainer(model, outer, [pseudo_gradient_round, parameter_round, momentum_round])
+    DiLoCoOptimizer._outer_step(trainer, next_epoch=4)
+    calls = trainer.outer_averager.calls
+    assert [bits for bits, _, _ in calls] == ["", "1", "1"] and trainer.outer_averager.group_bits == ""
+    stepped = 2.0 - 0.5 * 1.9 * -1.0  # the outer step on the averaged pseudo-gradient, then its state is averaged
+    assert torch.allclose(calls[1][2][0], torch.tensor([stepped]))  # the parameter round sends the outer parameters
+    assert torch.allclose(calls[2][2][0], torch.tensor([-1.0]))  # the momentum round sends the momentum
+    assert torch.equal(outer[0], torch.tensor([10.0])) and torch.equal(model[0].data, torch.tensor([10.0]))
+    assert torch.equal(outer_momentum_tensors(trainer.outer_optimizer)[0], torch.tensor([0.25]))
+    assert calls[1][1] == after_step  # what the realigning rounds gather
+    assert trainer.state_averager.outer_lineage == next_outer_lineage([after_step], 4, ["me", "other"], "realigned")
+
+
+def test_a_realigning_round_without_partners_leaves_the_state_for_the_next_outer_step():
+    model, outer = [torch.nn.Parameter(torch.tensor([3.0]))], [torch.tensor([2.0])]
+    rounds = [({"me": "alone", "other": "swarm"}, [torch.tensor([-1.0])]), (None, [torch.tensor([99.0])])]
+    trainer = two_peer_trainer(model, outer, rounds)
+    DiLoCoOptimizer._outer_step(trainer, next_epoch=4)
+    assert torch.allclose(outer[0], torch.tensor([2.0 + 0.95])) and trainer.outer_averager.group_bits == ""
+    assert torch.equal(model[0].data, outer[0])
+    after_step = next_outer_lineage(["alone", "swarm"], 4, ["me", "other"])
+    assert trainer.state_averager.outer_lineage not in ("", after_step)  # the next round finds the difference again
 
 
 def test_outer_step_applies_the_pseudo_gradient_and_resets_the_model_to_the_outer_parameters():

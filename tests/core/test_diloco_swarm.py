@@ -95,19 +95,43 @@ def run_peer(role: str, index: int, folder: Path) -> None:
             take_outer_step(next_epoch)
 
         optimizer._outer_step = recorded_outer_step
+        outer_steps_wanted = 1
+        if role == "apart":  # both trainers' first round fails, so each takes its first outer step alone
+            outer_steps_wanted, round_of = 2, optimizer.outer_averager.step
+            failed = []
+
+            def first_round_fails(**kwargs):
+                if not failed:
+                    failed.append(optimizer.outer_parameters[0].flatten().tolist())
+                    raise TimeoutError("the test's failed round")
+                return round_of(**kwargs)
+
+            optimizer.outer_averager.step = first_round_fails
         (folder / f"ready{index}").touch()
         while not all((folder / f"ready{other}").exists() for other in range(2)):  # neither trains alone
             time.sleep(0.1)
         gradient = torch.tensor([DIRECTION]) * (index + 1)
+        weight.grad = gradient.clone()
+        optimizer.step(batch_size=4)  # 8 of the first global step's 16 samples once both have stepped
         deadline = time.monotonic() + 120
-        while optimizer.outer_steps == 0 and time.monotonic() < deadline:
+        # A trainer takes the outer step with the peers its progress tracker has seen: one that has not seen the
+        # other by then steps alone. On a busy machine that can take longer than the two global steps do.
+        while optimizer.tracker.global_progress.num_peers < 2:
+            assert time.monotonic() < deadline, "the trainers' progress trackers never saw each other"
+            time.sleep(0.1)
+        apart_after_first = None
+        while optimizer.outer_steps < outer_steps_wanted and time.monotonic() < deadline:
             weight.grad = gradient.clone()
             optimizer.step(batch_size=4)
-            time.sleep(0.3)  # both trainers' samples reach hivemind's progress tracker well before the outer step
+            if optimizer.outer_steps == 1 and apart_after_first is None:
+                apart_after_first = optimizer.outer_parameters[0].flatten().tolist()
+            time.sleep(0.3)
         report.write_text(
             json.dumps(
                 {
                     **before,
+                    "after_first": apart_after_first,
+                    "outer_steps": optimizer.outer_steps,
                     "epoch": optimizer.local_epoch,
                     "after": weight.detach().flatten().tolist(),
                     "momentum": outer_momentum_tensors(optimizer.outer_optimizer)[0].flatten().tolist(),
@@ -188,6 +212,41 @@ def test_two_trainers_leave_an_outer_step_equal_and_a_joiner_loads_the_outer_sta
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainers_that_stepped_apart_realign_their_outer_state_at_the_next_round(tmp_path):
+    """Both trainers' first round fails, so each applies its own pseudo-gradient: their outer parameters differ,
+    and averaging pseudo-gradients alone would keep them apart. The next round finds their lineages differ; they
+    average their outer state and leave it equal."""
+    processes = []
+    try:
+        processes.append(start("apart", 0, tmp_path))
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "address.txt").exists():
+            assert time.monotonic() < deadline and processes[0].poll() is None, "the first trainer did not start"
+            time.sleep(0.2)
+        processes.append(start("apart", 1, tmp_path))
+        trainers = [wait_for(tmp_path / f"apart{index}.json", processes, 240) for index in range(2)]
+        assert all(trainer["outer_steps"] == 2 for trainer in trainers), trainers
+        assert trainers[0]["after_first"] != trainers[1]["after_first"]  # they did step apart
+        assert torch.allclose(torch.tensor(trainers[0]["after"]), torch.tensor(trainers[1]["after"]), atol=1e-6)
+        assert torch.allclose(torch.tensor(trainers[0]["momentum"]), torch.tensor(trainers[1]["momentum"]), atol=1e-6)
+        for index in range(2):
+            log = (tmp_path / f"apart{index}.log").read_text()
+            assert "realigned with 1 other peer(s)" in log, log[-3000:]
+    finally:
+        (tmp_path / "stop").touch()
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_diloco_swarm_of_the_scripts_checkpoints_the_outer_state_and_ends_agreed(tmp_path, tiny_overrides):
     """scripts/local_swarm.py with a monitor, 2 trainers and an auxiliary peer under diloco (H=2, 4 global steps):
@@ -237,7 +296,7 @@ def test_a_diloco_swarm_of_the_scripts_checkpoints_the_outer_state_and_ends_agre
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="one peer of the diloco swarm test")
-    parser.add_argument("role", choices=["trainer", "joiner"])
+    parser.add_argument("role", choices=["trainer", "apart", "joiner"])
     parser.add_argument("index", type=int)
     parser.add_argument("folder", type=Path)
     arguments = parser.parse_args()
