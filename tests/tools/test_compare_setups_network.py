@@ -1,6 +1,7 @@
 """compare_setups on emulated hosts: per-host byte accounting across network namespaces, the launch command, and
 the held-out points read from checkpoints."""
 
+import csv
 import json
 import os
 import subprocess
@@ -35,6 +36,7 @@ from common.tools.netns import (
     parse_tcp_bytes_sent,
 )
 from tests.helpers import ROOT, leftover_namespaces, needs_network_namespaces, python_on_host, running
+from tests.tools.test_compare_setups import run_until_done
 
 SS_LISTING = (
     "ESTAB 0 0 10.77.0.2:40001 10.77.0.3:7000 \n"
@@ -228,3 +230,48 @@ def test_setups_are_compared_at_the_samples_every_one_reached():
     assert diloco["eval_loss_at_equal_samples_vs_sync_percent"] == pytest.approx(-30 / 8.5)
     assert diloco["bytes_per_sample_times_fewer_than_sync"] == pytest.approx(50.0)
     assert interpolate([(1.0, 2.0), (3.0, 4.0)], 0.5) is None
+
+
+TWO_TRAINER_MIX = """name: two_trainers
+hosts:
+  - {name: monitor, role: monitor, upload_mbit: 500, download_mbit: 500}
+  - {name: fast0, role: trainer, upload_mbit: 200, download_mbit: 200}
+  - {name: slow0, role: trainer, upload_mbit: 50, download_mbit: 50}
+"""
+
+
+@needs_network_namespaces
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_diloco_swarm_on_emulated_hosts_is_counted_per_host_and_scored_along_the_way(tmp_path):
+    """End to end: the swarm's peers on their own hosts, each trainer's bytes read from its namespace (the monitor's
+    share apart), and the monitor's checkpoints scored into a held-out curve."""
+    setup_file = tmp_path / "two_trainers.yaml"
+    setup_file.write_text(TWO_TRAINER_MIX)
+    before = set(list_namespaces())
+    output, runs = tmp_path / "results", tmp_path / "runs"
+    arguments = [
+        *("scripts/experiments/compare_setups.py", "--reduced", "--network-setup", str(setup_file)),
+        *("--diloco-inner-steps", "2", "--setups", "collab_diloco_h2", "--eval-every", "2", "--eval-batches", "2"),
+        *("--output", str(output), "--runs", str(runs), "--timeout", "300"),
+    ]
+    result = run_until_done(arguments, timeout=380)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not leftover_namespaces(before)
+    hosts = json.loads((runs / "collab_diloco_h2" / "run.json").read_text())["hosts"]
+    assert {name: host["role"] for name, host in hosts.items()} == {
+        "monitor": "monitor",
+        "fast0": "trainer",
+        "slow0": "trainer",
+    }
+    for trainer, other in (("fast0", "slow0"), ("slow0", "fast0")):
+        assert hosts[trainer]["tcp_bytes_sent_to"].get(other, 0) > 100_000  # at least one pseudo-gradient round
+        assert hosts[trainer]["link_bytes_sent"] >= sum(hosts[trainer]["tcp_bytes_sent_to"].values())
+    with (output / "summary.csv").open() as handle:
+        summary = next(csv.DictReader(handle))
+    assert float(summary["bytes_sent_per_sample"]) > 0
+    assert float(summary["link_bytes_sent_per_sample"]) > float(summary["bytes_sent_per_sample"])
+    with (output / "heldout.csv").open() as handle:
+        curve = list(csv.DictReader(handle))
+    assert [row["source"] for row in curve][-1] == "final" and len(curve) >= 2
+    assert (output / "heldout_curves.png").read_bytes()[:4] == b"\x89PNG"
