@@ -1,9 +1,11 @@
-"""The slow-donor storm before/after: each newcomer's process start to loaded state, without and with the limit.
+"""The slow-donor storm before/after: each newcomer's process start to loaded state, without and with the limit,
+every run (a repeat's JSON is drawn when it exists).
 
 Run from the repository root: .venv/bin/python paper_results/scale/storm_2mbit_keys/plot_before_after.py
 """
 
 import json
+import os
 
 import matplotlib
 
@@ -12,18 +14,21 @@ import matplotlib.pyplot as plt  # noqa: E402 (after choosing the file backend)
 
 BASE = "paper_results/scale/storm_2mbit_keys/"
 RUNS = [
-    ("no limit", "storm_2mbit_nolimit.json", "tab:red"),
-    ("max_concurrent_state_uploads=1", "storm_2mbit_limit1.json", "tab:green"),
+    ("no limit, 11:30", "storm_2mbit_nolimit.json", "tab:red"),
+    ("no limit, 15:27", "storm_2mbit_nolimit_r2.json", "lightcoral"),
+    ("max_concurrent_state_uploads=1, 11:56", "storm_2mbit_limit1.json", "tab:green"),
+    ("max_concurrent_state_uploads=1, 15:44", "storm_2mbit_limit1_r2.json", "yellowgreen"),
 ]
-WIDTH = 0.38
+RUNS = [run for run in RUNS if os.path.exists(BASE + run[1])]
+WIDTH = 0.8 / len(RUNS)
 
-fig, ax = plt.subplots(figsize=(8, 3.8))
+fig, ax = plt.subplots(figsize=(9, 4.2))
 for k, (label, name, color) in enumerate(RUNS):
     with open(BASE + name) as file:
         run = json.load(file)
     xs, ys, left_out = [], [], []
     for index, newcomer in enumerate(run["newcomer_details"]):
-        x = index + (k - 0.5) * WIDTH
+        x = index + (k - (len(RUNS) - 1) / 2) * WIDTH
         if newcomer["contributed"]:
             xs.append(x)
             ys.append(newcomer["to_loaded_state_seconds"])
@@ -51,6 +56,6 @@ ax.set_xticklabels([f"n{index:02d}" for index in range(10)])
 ax.set_ylabel("process start to loaded state (s)")
 ax.set_title("10 newcomers into 6 donors on 2 Mbit/s uplinks (tiny ALBERT, 6.3 MB state)", fontsize=10)
 ax.legend(fontsize=8, loc="upper left")
-ax.set_ylim(0, 420)
+ax.set_ylim(0, 520)
 fig.tight_layout()
 fig.savefig(BASE + "storm_2mbit_before_after.png", dpi=120)
