@@ -158,6 +158,30 @@ def outer_momentum_tensors(outer_optimizer: torch.optim.Optimizer) -> List[torch
     return [outer_optimizer.state[param]["momentum_buffer"] for param in params if param in outer_optimizer.state]
 
 
+PARTIAL_ROUND = "partial_round"  # the key OuterAverager adds to a round's gathered data when it was partial
+
+
+class OuterAverager(DecentralizedAverager):
+    """hivemind's averager for DiLoCo's outer rounds, which also says when a round was partial.
+
+    When a member fails while it reduces its part of the vector (it crashed, or its link stalled past the
+    timeouts), hivemind keeps each other member's own values for that part, logs one line and returns the round's
+    gathered data as for a whole round. For gradients that is a one-step blemish. For outer parameters it is a
+    permanent difference between members that then gather the same lineage. So a partial round adds
+    ``PARTIAL_ROUND: True`` to what ``step`` returns, and the optimizer gives this peer a lineage of its own."""
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        # the runner stays registered until the round's _aggregate_with_group returns
+        runner = self._running_groups[group_info.group_id if group_id is None else group_id].result()
+        self._last_round_partial = runner.tensor_part_container.failed_size > 0
+
+    async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        self._last_round_partial = False
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        return {**gathered, PARTIAL_ROUND: True} if self._last_round_partial else gathered
+
+
 class DiLoCoStateAverager(TrainingStateAverager):
     """hivemind's state averager for a DiLoCo peer: what it serves is the swarm's state, not this peer's drift.
 
@@ -279,7 +303,7 @@ class DiLoCoOptimizer(hivemind.Optimizer):
         self.outer_optimizer = make_outer_optimizer(outer_parameters, outer_lr, outer_momentum)
         self.outer_parameters = outer_parameters
         super().__init__(params=groups, use_local_updates=True, average_state_every=NEVER, **kwargs)
-        self.outer_averager = DecentralizedAverager(
+        self.outer_averager = OuterAverager(
             averaged_tensors=[torch.zeros_like(param) for param in outer_parameters],
             dht=self.dht,
             prefix=f"{self.run_id}_outer_averager",
@@ -330,7 +354,7 @@ class DiLoCoOptimizer(hivemind.Optimizer):
         params = [param for group in self.param_groups for param in group["params"]]
         with torch.no_grad():
             pseudo_gradients = [outer - param.detach().cpu() for outer, param in zip(self.outer_parameters, params)]
-        averaged, lineages = pseudo_gradients, {}
+        averaged, lineages, partial = pseudo_gradients, {}, False
         if self.tracker.global_progress.num_peers > 1:
             with self.outer_averager.get_tensors() as tensors:
                 for tensor, pseudo_gradient in zip(tensors, pseudo_gradients):
@@ -342,6 +366,7 @@ class DiLoCoOptimizer(hivemind.Optimizer):
             except Exception as error:  # no group within the timeout, a partner failed: this peer steps on its own
                 gathered = None
                 logger.debug(f"outer averaging round failed: {error!r}")
+            partial = bool(gathered and gathered.pop(PARTIAL_ROUND, False))
             if gathered and len(gathered) > 1:
                 lineages = {str(peer): lineage for peer, lineage in gathered.items() if lineage is not None}
                 with self.outer_averager.get_tensors() as tensors:
@@ -365,6 +390,14 @@ class DiLoCoOptimizer(hivemind.Optimizer):
         self.state_averager.outer_lineage = next_outer_lineage(
             lineages.values() or [own], next_epoch, lineages.keys() or [str(self.dht.peer_id)]
         )
+        if partial:  # some parts kept this peer's own values: a history no other member shares
+            logger.warning(
+                f"outer step before global step {next_epoch}: a member of the round failed, so part of the "
+                f"pseudo-gradient was this peer's own (the next round realigns the outer state)"
+            )
+            self.state_averager.outer_lineage = next_outer_lineage(
+                [self.state_averager.outer_lineage], next_epoch, [str(self.dht.peer_id)], kind="partial round"
+            )
         self.outer_steps += 1
         logger.log(
             self.status_loglevel,
@@ -395,7 +428,8 @@ class DiLoCoOptimizer(hivemind.Optimizer):
                 members = self._average_in_a_realigning_round(state)
                 if len(members) < 2:
                     logger.warning(
-                        f"outer state before global step {next_epoch} not realigned: no peer joined the round"
+                        f"outer state before global step {next_epoch} not realigned: the round found no partner or "
+                        f"a member failed in it"
                     )
                     # a lineage of its own, so that the next outer round finds the difference again
                     self.state_averager.outer_lineage = next_outer_lineage(
@@ -433,6 +467,8 @@ class DiLoCoOptimizer(hivemind.Optimizer):
             logger.debug(f"realigning round failed: {error!r}")
         finally:
             self.outer_averager.set_group_bits("")
+        if gathered and gathered.pop(PARTIAL_ROUND, False):
+            return {}  # part of the state would stay this peer's own: as good as no round
         members = {str(peer): lineage for peer, lineage in (gathered or {}).items() if lineage is not None}
         if len(members) >= 2:
             with (

@@ -23,8 +23,10 @@ from common.config import CollaborationConfig, Semantics, load_config
 from common.errors import ConfigError, PeerError
 from common.hivemind_compat import install as install_hivemind_patches
 from common.optimizer import (
+    PARTIAL_ROUND,
     DiLoCoOptimizer,
     DiLoCoStateAverager,
+    OuterAverager,
     load_outer_checkpoint_state,
     make_collaborative_optimizer,
     make_outer_optimizer,
@@ -108,7 +110,7 @@ class FakeOuterAverager:
         gathered, averaged = self.rounds.pop(0)
         for tensor, value in zip(self.tensors, averaged):
             tensor.copy_(value)
-        return gathered
+        return None if gathered is None else dict(gathered)
 
     def set_group_bits(self, bits):
         self.group_bits = bits
@@ -381,3 +383,64 @@ def test_an_auxiliary_peer_with_other_diloco_settings_is_refused_and_one_with_th
         swarm.stop("aux_same")
         assert swarm.peers["aux_same"].process.returncode == 0, swarm.peers["aux_same"].log_tail(10)
     assert_no_processes_left(tmp_path)
+
+
+def test_a_partial_round_gives_the_peer_a_lineage_of_its_own():
+    """A member failed while reducing its part: the others kept their own values for that part, so the round's
+    members now differ although they gathered one lineage; each takes a lineage of its own, so that the next round
+    realigns them."""
+    model, outer = [torch.nn.Parameter(torch.tensor([3.0]))], [torch.tensor([2.0])]
+    partial_round = ({"me": "", "other": "", PARTIAL_ROUND: True}, [torch.tensor([-1.5])])
+    trainer = two_peer_trainer(model, outer, [partial_round])
+    DiLoCoOptimizer._outer_step(trainer, next_epoch=2)
+    assert len(trainer.outer_averager.calls) == 1  # realigning waits for the next round, where the others are
+    assert torch.allclose(outer[0], torch.tensor([2.0 - 0.5 * 1.9 * -1.5]))  # the step is taken as averaged
+    whole = next_outer_lineage([""], 2, ["me", "other"])
+    assert trainer.state_averager.outer_lineage == next_outer_lineage([whole], 2, ["me"], kind="partial round")
+
+
+def test_a_partial_realigning_round_counts_as_no_round():
+    model, outer = [torch.nn.Parameter(torch.tensor([3.0]))], [torch.tensor([2.0])]
+    rounds = [
+        ({"me": "alone", "other": "swarm"}, [torch.tensor([-1.0])]),
+        ({"me": "L", "other": "L", PARTIAL_ROUND: True}, [torch.tensor([99.0])]),
+    ]
+    trainer = two_peer_trainer(model, outer, rounds)
+    DiLoCoOptimizer._outer_step(trainer, next_epoch=4)
+    assert torch.allclose(outer[0], torch.tensor([2.0 + 0.95])) and torch.equal(model[0].data, outer[0])
+    after_step = next_outer_lineage(["alone", "swarm"], 4, ["me", "other"])
+    assert trainer.state_averager.outer_lineage not in ("", after_step)
+
+
+@pytest.mark.parametrize("failed_size, partial", [(0, False), (3, True)])
+def test_the_outer_averager_marks_a_round_in_which_a_reducer_failed(monkeypatch, failed_size, partial):
+    """hivemind's runner counts the values whose reducer failed (kept at this peer's own) in its part container's
+    ``failed_size``; the outer averager reads it after the all-reduce and marks the round's gathered data."""
+    import asyncio
+
+    from hivemind.averaging.averager import DecentralizedAverager
+
+    runner = SimpleNamespace(tensor_part_container=SimpleNamespace(failed_size=failed_size))
+
+    async def run_allreduce(self, tensors, group_info, group_id=None, **kwargs):
+        self._running_groups[group_info.group_id].set_result(runner)
+
+    async def aggregate(self, group_info, min_vector_size, **kwargs):
+        await self._run_allreduce_inplace_([], group_info)
+        return {"peer_a": "lineage", "peer_b": "lineage"}
+
+    monkeypatch.setattr(DecentralizedAverager, "_run_allreduce_inplace_", run_allreduce)
+    monkeypatch.setattr(DecentralizedAverager, "_aggregate_with_group", aggregate)
+
+    async def one_round():
+        averager = OuterAverager.__new__(OuterAverager)  # only what a round's aggregation touches
+        averager._parent_pid = -1  # never started: nothing for hivemind's __del__ to shut down
+        averager._running_groups = {b"group": asyncio.get_running_loop().create_future()}
+        return await averager._aggregate_with_group(SimpleNamespace(group_id=b"group"), min_vector_size=0)
+
+    gathered = asyncio.run(one_round())
+    assert gathered == (
+        {"peer_a": "lineage", "peer_b": "lineage", PARTIAL_ROUND: True}
+        if partial
+        else {"peer_a": "lineage", "peer_b": "lineage"}
+    )
