@@ -603,6 +603,11 @@ def interpolate(points: List[Tuple[float, float]], x: float) -> Optional[float]:
     return points[0][1] if len(points) == 1 and points[0][0] == x else None
 
 
+def equal_sample_metrics(heldout: List[Dict]) -> List[str]:
+    """The task's quality metrics in its held-out rows, as its evaluation named them: ``eval_*`` but no loss."""
+    return sorted({key for row in heldout for key in row if key.startswith("eval_") and not key.endswith("_loss")})
+
+
 def add_equal_sample_scores(summaries: List[Dict], heldout: List[Dict], reference: str = "collab_sync") -> None:
     """Setups count different samples into the same global steps (a swarm keeps computing while a step boundary is
     agreed): each setup's held-out loss and accuracy read off its held-out curve at the samples every setup
@@ -612,7 +617,7 @@ def add_equal_sample_scores(summaries: List[Dict], heldout: List[Dict], referenc
     by_name = {summary["setup"]: summary for summary in summaries}
     for summary in summaries:
         own = sorted((row for row in heldout if row["setup"] == summary["setup"]), key=lambda row: row["samples_seen"])
-        for metric in ("eval_loss", "eval_mlm_accuracy"):
+        for metric in ("eval_loss", *equal_sample_metrics(heldout)):
             points = [(row["samples_seen"], row[metric]) for row in own if row.get(metric) is not None]
             summary[f"{metric}_at_equal_samples"] = interpolate(points, common) if points and common else None
         summary["equal_samples"] = common
@@ -672,7 +677,7 @@ def plot_curves(rows: List[Dict], path: Path, title: str) -> None:
 
 
 def plot_heldout(rows: List[Dict], path: Path, title: str) -> None:
-    """Held-out loss and the task's first other metric (e.g. MLM accuracy) against samples and wall time."""
+    """Held-out loss and the task's first other metric (e.g. an accuracy) against samples and wall time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -708,7 +713,7 @@ def summary_table(summaries: List[Dict]) -> str:
     def percent(value):
         return "n/a" if value is None else f"{100 * value:.0f} %"
 
-    # the task's quality metrics as its evaluation named them (e.g. eval_mlm_accuracy), losses left to the total
+    # the task's quality metrics as its evaluation named them (eval_*), losses left to the total
     metrics = sorted(
         {
             key
@@ -722,6 +727,14 @@ def summary_table(summaries: List[Dict]) -> str:
     )
     links = any(summary.get("link_bytes_sent_per_sample") is not None for summary in summaries)
     equal = any(summary.get("equal_samples") for summary in summaries)
+    at_equal = sorted(  # the quality metrics read off the held-out curves at equal samples
+        {
+            key[: -len("_at_equal_samples")]
+            for summary in summaries
+            for key in summary
+            if key.endswith("_at_equal_samples") and key != "eval_loss_at_equal_samples"
+        }
+    )
     header = [
         "setup",
         "steps",
@@ -733,7 +746,7 @@ def summary_table(summaries: List[Dict]) -> str:
             [
                 f"eval loss at {summaries[0]['equal_samples']} samples",
                 "vs sync at equal samples",
-                "mlm accuracy at equal samples",
+                *(f"{name[len('eval_') :].replace('_', ' ')} at equal samples" for name in at_equal),
             ]
             if equal
             else []
@@ -767,7 +780,7 @@ def summary_table(summaries: List[Dict]) -> str:
                     "n/a"
                     if summary["eval_loss_at_equal_samples_vs_sync_percent"] is None
                     else f"{summary['eval_loss_at_equal_samples_vs_sync_percent']:+.2f} %",
-                    number(summary.get("eval_mlm_accuracy_at_equal_samples"), 3),
+                    *(number(summary.get(f"{name}_at_equal_samples"), 3) for name in at_equal),
                 ]
                 if equal
                 else []
