@@ -182,17 +182,36 @@ def wait_for(path: Path, processes, timeout: float) -> dict:
     return json.loads(path.read_text())
 
 
+def start_peers(roles, folder: Path, processes: list) -> None:
+    """The first peer, then (once it wrote its address) the others, each added to ``processes`` as it starts (the
+    caller stops them whatever happens); ``roles``: (role, index) pairs."""
+    processes.append(start(*roles[0], folder))
+    deadline = time.monotonic() + 60
+    while not (folder / "address.txt").exists():
+        assert time.monotonic() < deadline and processes[0].poll() is None, "the first trainer did not start"
+        time.sleep(0.2)
+    processes.extend(start(role, index, folder) for role, index in roles[1:])
+
+
+def stop_peers(processes, folder: Path) -> None:
+    (folder / "stop").touch()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # whatever of its group is left (its DHT, averagers, p2pd), also after the peer itself exited
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_trainers_leave_an_outer_step_equal_and_a_joiner_loads_the_outer_state(tmp_path):
     processes = []
     try:
-        processes.append(start("trainer", 0, tmp_path))
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "address.txt").exists():
-            assert time.monotonic() < deadline and processes[0].poll() is None, "the first trainer did not start"
-            time.sleep(0.2)
-        processes.append(start("trainer", 1, tmp_path))
+        start_peers([("trainer", 0), ("trainer", 1)], tmp_path, processes)
         trainers = [wait_for(tmp_path / f"trainer{index}.json", processes, 180) for index in range(2)]
         assert all(trainer["epoch"] == INNER_STEPS for trainer in trainers), trainers
 
@@ -214,16 +233,7 @@ def test_two_trainers_leave_an_outer_step_equal_and_a_joiner_loads_the_outer_sta
         assert joiner["outer"] == joiner["weight"]
         assert torch.allclose(torch.tensor(joiner["momentum"]), momentum, atol=1e-5)
     finally:
-        (tmp_path / "stop").touch()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            try:  # whatever of its group is left (its DHT, averagers, p2pd), also after the peer itself exited
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_peers(processes, tmp_path)
 
 
 @pytest.mark.slow
@@ -234,12 +244,7 @@ def test_trainers_that_stepped_apart_realign_their_outer_state_at_the_next_round
     average their outer state and leave it equal."""
     processes = []
     try:
-        processes.append(start("apart", 0, tmp_path))
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "address.txt").exists():
-            assert time.monotonic() < deadline and processes[0].poll() is None, "the first trainer did not start"
-            time.sleep(0.2)
-        processes.append(start("apart", 1, tmp_path))
+        start_peers([("apart", 0), ("apart", 1)], tmp_path, processes)
         trainers = [wait_for(tmp_path / f"apart{index}.json", processes, 240) for index in range(2)]
         assert all(trainer["outer_steps"] == 2 for trainer in trainers), trainers
         assert torch.allclose(torch.tensor(trainers[0]["after"]), torch.tensor(trainers[1]["after"]), atol=1e-6)
@@ -250,16 +255,7 @@ def test_trainers_that_stepped_apart_realign_their_outer_state_at_the_next_round
             assert "before global step 2 used this peer's pseudo-gradient only" in log, log[-3000:]
             assert "realigned with 1 other peer(s)" in log, log[-3000:]
     finally:
-        (tmp_path / "stop").touch()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_peers(processes, tmp_path)
 
 
 @pytest.mark.slow
@@ -272,12 +268,7 @@ def test_survivors_of_a_crash_inside_an_outer_round_realign_at_the_next_one(tmp_
     round began on the others' side, they average without it and are equal all along.)"""
     processes = []
     try:
-        processes.append(start("survivor", 0, tmp_path))
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "address.txt").exists():
-            assert time.monotonic() < deadline and processes[0].poll() is None, "the first trainer did not start"
-            time.sleep(0.2)
-        processes += [start("survivor", 1, tmp_path), start("crasher", 2, tmp_path)]
+        start_peers([("survivor", 0), ("survivor", 1), ("crasher", 2)], tmp_path, processes)
         survivors = [wait_for(tmp_path / f"survivor{index}.json", processes[:2], 240) for index in range(2)]
         assert processes[2].wait(timeout=30) == -signal.SIGKILL
         assert all(survivor["outer_steps"] == 2 for survivor in survivors), survivors
@@ -294,16 +285,7 @@ def test_survivors_of_a_crash_inside_an_outer_round_realign_at_the_next_one(tmp_
         else:
             assert survivors[0]["after_first"] == survivors[1]["after_first"]
     finally:
-        (tmp_path / "stop").touch()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_peers(processes, tmp_path)
 
 
 @pytest.mark.slow
