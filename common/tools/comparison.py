@@ -35,7 +35,7 @@ from common.metrics import HistoryWriter
 from common.roles.trainer import FINAL_STATE_FILE
 from common.seeding import stable_seed
 from common.swarm import ROOT, stop_process_group
-from common.tools.netns import HostTraffic, NetworkSetup
+from common.tools.netns import HostTraffic, NetworkSetup, ss_connections
 
 logger = logging.getLogger(__name__)
 
@@ -172,21 +172,13 @@ class SocketBytes:
             listing = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.TimeoutExpired):
             return
-        header = None
-        for line in listing.splitlines():
-            if not line.startswith((" ", "\t")):
-                header = line.split()
-                continue
-            sent = re.search(r"bytes_sent:(\d+)", line)
-            if header is None or sent is None or len(header) < 5:
-                continue
+        for header, sent in ss_connections(listing):
             owners = [int(pid) for pid in re.findall(r"pid=(\d+)", " ".join(header[5:]))]
             owner = next((pid for pid in owners if pid in tree), None)
             label = self._label(tree[owner]) if owner is not None else None
             if label is not None:
                 key = (label, header[3], header[4])
-                self.connections[key] = max(self.connections.get(key, 0), int(sent.group(1)))
-            header = None
+                self.connections[key] = max(self.connections.get(key, 0), sent)
 
     def per_peer(self) -> Dict[str, int]:
         totals: Dict[str, int] = {}

@@ -461,21 +461,25 @@ def parse_interface_bytes_sent(link_json: str, interface: str = HOST_INTERFACE) 
     return None
 
 
-def parse_tcp_bytes_sent(listing: str) -> Dict[Tuple[str, str], int]:
-    """TCP payload bytes sent per connection, keyed by (local, peer) address, from ``ss -tinH`` (no ``-p``): a
-    connection's line is followed by an indented line of its counters."""
-    connections: Dict[Tuple[str, str], int] = {}
-    addresses = None
+def ss_connections(listing: str) -> List[Tuple[List[str], int]]:
+    """Each connection's fields (state, queues, local and peer address, then ``-p``'s users if asked) and the bytes
+    it sent, from ``ss -tinH``: a connection's line is followed by an indented line of its counters."""
+    connections = []
+    fields = None
     for line in listing.splitlines():
         if not line.startswith((" ", "\t")):
             fields = line.split()
-            addresses = (fields[3], fields[4]) if len(fields) >= 5 else None
             continue
         sent = re.search(r"bytes_sent:(\d+)", line)
-        if addresses is not None and sent is not None:
-            connections[addresses] = int(sent.group(1))
-        addresses = None
+        if fields is not None and len(fields) >= 5 and sent is not None:
+            connections.append((fields, int(sent.group(1))))
+        fields = None
     return connections
+
+
+def parse_tcp_bytes_sent(listing: str) -> Dict[Tuple[str, str], int]:
+    """TCP payload bytes sent per connection, keyed by (local, peer) address, from ``ss -tinH`` (no ``-p``)."""
+    return {(fields[3], fields[4]): sent for fields, sent in ss_connections(listing)}
 
 
 def address_host(address: str) -> Optional[int]:
