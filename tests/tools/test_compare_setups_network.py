@@ -34,6 +34,7 @@ from common.tools.netns import (
     list_namespaces,
     parse_interface_bytes_sent,
     parse_tcp_bytes_sent,
+    ss_connections,
 )
 from tests.helpers import ROOT, leftover_namespaces, needs_network_namespaces, python_on_host, running
 from tests.tools.test_compare_setups import run_until_done
@@ -63,6 +64,14 @@ def test_ss_and_link_listings_parse_into_bytes_sent_per_connection_and_per_inter
     assert parse_interface_bytes_sent(LINK_JSON) == 130000
     assert parse_interface_bytes_sent(LINK_JSON, "wlan0") is None
     assert address_host("10.77.0.3:7000") == 2 and address_host("127.0.0.1:41001") is None
+
+
+def test_ss_connections_keep_the_process_fields_of_a_p_listing():
+    """The loopback counter (``ss -tinpH``) reads the owning processes from the fields after the peer address."""
+    listing = 'ESTAB 0 0 127.0.0.1:5000 127.0.0.1:6000 users:(("python",pid=42,fd=7))\n\t cubic bytes_sent:321\n'
+    ((fields, sent),) = ss_connections(listing)
+    assert sent == 321 and fields[3:5] == ["127.0.0.1:5000", "127.0.0.1:6000"] and "pid=42" in fields[5]
+    assert len(ss_connections(SS_LISTING)) == 3  # the listening socket has no bytes_sent
 
 
 def test_host_traffic_charges_each_connection_to_its_destination_host_and_keeps_the_largest_count(monkeypatch):
