@@ -356,17 +356,8 @@ class DiLoCoOptimizer(hivemind.Optimizer):
             pseudo_gradients = [outer - param.detach().cpu() for outer, param in zip(self.outer_parameters, params)]
         averaged, lineages, partial = pseudo_gradients, {}, False
         if self.tracker.global_progress.num_peers > 1:
-            with self.outer_averager.get_tensors() as tensors:
-                for tensor, pseudo_gradient in zip(tensors, pseudo_gradients):
-                    tensor.copy_(pseudo_gradient)
-            try:
-                gathered = self.outer_averager.step(
-                    weight=1.0, gather=self.state_averager.outer_lineage, timeout=self.averaging_timeout
-                )
-            except Exception as error:  # no group within the timeout, a partner failed: this peer steps on its own
-                gathered = None
-                logger.debug(f"outer averaging round failed: {error!r}")
-            partial = bool(gathered and gathered.pop(PARTIAL_ROUND, False))
+            # no group within the timeout, or a partner failed: this peer steps on its own
+            gathered, partial = self._outer_round(pseudo_gradients, "outer averaging")
             if gathered and len(gathered) > 1:
                 lineages = {str(peer): lineage for peer, lineage in gathered.items() if lineage is not None}
                 with self.outer_averager.get_tensors() as tensors:
@@ -450,24 +441,32 @@ class DiLoCoOptimizer(hivemind.Optimizer):
             f"outer parameters had another history"
         )
 
-    def _average_in_a_realigning_round(self, state: List[torch.Tensor]) -> dict:
-        """Average ``state`` in place with the peers of one realigning round; returns the members' lineages (none
-        when the round failed, and then ``state`` is left as it was)."""
-        # set before every round: hivemind moves an averager's group bits after each group it assembles
-        self.outer_averager.set_group_bits(REALIGNING_GROUP_BITS)
+    def _outer_round(self, values: Sequence[torch.Tensor], what: str):
+        """One round of the outer averager on ``values`` (copied into its tensors), gathering this peer's lineage:
+        the gathered lineages by peer (None when the round failed) and whether the round was partial."""
         with self.outer_averager.get_tensors() as tensors:
-            for tensor, value in zip(tensors, state):
+            for tensor, value in zip(tensors, values):
                 tensor.copy_(value)
         try:
             gathered = self.outer_averager.step(
                 weight=1.0, gather=self.state_averager.outer_lineage, timeout=self.averaging_timeout
             )
         except Exception as error:
-            gathered = None
-            logger.debug(f"realigning round failed: {error!r}")
+            logger.debug(f"{what} round failed: {error!r}")
+            return None, False
+        partial = bool(gathered and gathered.pop(PARTIAL_ROUND, False))
+        return gathered, partial
+
+    def _average_in_a_realigning_round(self, state: List[torch.Tensor]) -> dict:
+        """Average ``state`` in place with the peers of one realigning round; returns the members' lineages (none
+        when the round failed, and then ``state`` is left as it was)."""
+        # set before every round: hivemind moves an averager's group bits after each group it assembles
+        self.outer_averager.set_group_bits(REALIGNING_GROUP_BITS)
+        try:
+            gathered, partial = self._outer_round(state, "realigning")
         finally:
             self.outer_averager.set_group_bits("")
-        if gathered and gathered.pop(PARTIAL_ROUND, False):
+        if partial:
             return {}  # part of the state would stay this peer's own: as good as no round
         members = {str(peer): lineage for peer, lineage in (gathered or {}).items() if lineage is not None}
         if len(members) >= 2:

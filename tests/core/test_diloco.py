@@ -125,6 +125,7 @@ def two_peer_trainer(model, outer, rounds):
     trainer._average_in_a_realigning_round = lambda state: DiLoCoOptimizer._average_in_a_realigning_round(
         trainer, state
     )
+    trainer._outer_round = lambda values, what: DiLoCoOptimizer._outer_round(trainer, values, what)
     return trainer
 
 
