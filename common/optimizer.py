@@ -144,6 +144,16 @@ def next_outer_lineage(lineages: Iterable[str], epoch: int, members: Iterable[st
     return hashlib.sha256(record.encode()).hexdigest()[:16]
 
 
+def missed_an_outer_step(local_epoch: int, global_epoch: int, inner_steps: int) -> bool:
+    """Whether a diloco trainer at ``local_epoch`` must download the swarm's state, the swarm being at
+    ``global_epoch``: hivemind's rule for a peer that fell behind (two or more global steps), applied only when
+    the swarm crossed an outer step (a multiple of ``inner_steps``) since. A trainer one step behind takes its
+    update and joins the outer round if one is due; one behind by more, but within the same outer period, goes on
+    with its own inner steps and moves to the swarm's step at its next update."""
+    crossed_an_outer_step = global_epoch // inner_steps > local_epoch // inner_steps
+    return local_epoch < global_epoch - 1 and crossed_an_outer_step
+
+
 def make_outer_optimizer(params: Sequence[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
     """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD at momentum 0), its momentum buffers created
     up front so that they exist to be served, checkpointed and downloaded before the first outer step."""
@@ -281,7 +291,9 @@ class DiLoCoOptimizer(hivemind.Optimizer):
     (one WARNING line). Its outer parameters then have another history than the swarm's, which averaging
     pseudo-gradients alone would never undo: each round gathers the members' outer lineages, and members that find
     different ones average their outer state itself (``_realign_outer_state``). A trainer that falls a global step
-    behind downloads the swarm's outer state (``DiLoCoStateAverager``) as any hivemind peer does.
+    behind downloads the swarm's outer state (``DiLoCoStateAverager``), but only when it missed an outer step
+    (``missed_an_outer_step``): between outer steps its parameters are its own, and the outer state it would
+    download is the one it already holds.
     """
 
     def __init__(
@@ -337,6 +349,12 @@ class DiLoCoOptimizer(hivemind.Optimizer):
             start=True,
             **kwargs,
         )
+
+    def _should_load_state_from_peers(self) -> bool:
+        # hivemind's exact check after each update would download the state of a peer one global step behind:
+        # here that state is the outer state this peer already has, and the download would drop its inner steps
+        self._should_check_synchronization_on_update = False
+        return missed_an_outer_step(self.local_epoch, self.tracker.global_epoch, self.inner_steps)
 
     def _update_global_epoch(self, grad_scaler) -> None:
         next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
@@ -575,7 +593,7 @@ def make_collaborative_optimizer(
         stop_requested or (lambda: False),
         announced_step=functools.partial(read_announced_swarm_step, dht, collab.run_id),
     )
-    if collab.catch_up_one_step_behind:
+    if collab.catch_up_one_step_behind and not diloco:  # diloco has its own rule (missed_an_outer_step)
         catch_up_one_step_behind(optimizer)
     if flags.delay_grad_averaging:
         gradient_rounds_start_at_the_update(optimizer)

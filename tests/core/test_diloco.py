@@ -30,6 +30,7 @@ from common.optimizer import (
     load_outer_checkpoint_state,
     make_collaborative_optimizer,
     make_outer_optimizer,
+    missed_an_outer_step,
     next_outer_lineage,
     outer_checkpoint_state,
     outer_momentum_tensors,
@@ -127,6 +128,28 @@ def two_peer_trainer(model, outer, rounds):
     )
     trainer._outer_round = lambda values, what: DiLoCoOptimizer._outer_round(trainer, values, what)
     return trainer
+
+
+@pytest.mark.parametrize(
+    "local_epoch, global_epoch, download",
+    [
+        (7, 8, False),  # one step behind at an outer step: it takes its update and joins the round
+        (9, 12, False),  # behind within one outer period (8-15): its own inner steps go on
+        (0, 7, False),  # a newcomer before the first outer step: the seeded parameters are the outer ones
+        (6, 8, True),  # two behind across an outer step: that round is over, the outer state moved on
+        (0, 9, True),  # a newcomer after an outer step
+        (12, 11, False),  # ahead of a stale global step
+    ],
+)
+def test_a_diloco_trainer_downloads_the_state_only_when_it_missed_an_outer_step(local_epoch, global_epoch, download):
+    assert missed_an_outer_step(local_epoch, global_epoch, inner_steps=8) is download
+    trainer = SimpleNamespace(
+        inner_steps=8,
+        local_epoch=local_epoch,
+        tracker=SimpleNamespace(global_epoch=global_epoch),
+        _should_check_synchronization_on_update=True,  # right after an update: hivemind's exact check
+    )
+    assert DiLoCoOptimizer._should_load_state_from_peers(trainer) is download
 
 
 def test_lineages_agree_for_the_members_of_one_round_and_differ_otherwise():
