@@ -143,6 +143,12 @@ class CollaborationConfig:
     # up to this long for them (0: never): otherwise a trainer whose last rounds joined the others' previous step
     # ends one update apart from them. Give it more than the gap between trainers' last updates (up to a step)
     final_averaging_seconds: float = 10.0
+    # how often a peer reads the swarm's progress (hivemind's progress tracker): every max seconds, down to every
+    # min seconds as the global step's end nears. Each read asks every peer that holds the progress records, and
+    # each answer carries every peer's signed record, so on a small swarm of short steps these reads are most of a
+    # peer's traffic outside averaging rounds (paper_results/comparison/diloco)
+    progress_poll_min_seconds: float = 0.2
+    progress_poll_max_seconds: float = 1.0
     expected_peers: int = 1  # start barrier: trainers wait until this many trainers report progress
     start_barrier_timeout: float = 120.0
     # run reports call trainers' final parameters "the same" within this (max absolute element difference);
@@ -185,6 +191,10 @@ class CollaborationConfig:
         require(self.load_state_timeout > 0, "collaboration.load_state_timeout must be > 0")
         require(self.load_state_deadline > 0, "collaboration.load_state_deadline must be > 0")
         require(self.final_averaging_seconds >= 0, "collaboration.final_averaging_seconds must be >= 0")
+        require(
+            0 < self.progress_poll_min_seconds <= self.progress_poll_max_seconds,
+            "collaboration.progress_poll_min_seconds must be > 0 and at most collaboration.progress_poll_max_seconds",
+        )
         require(self.expected_peers >= 1, "collaboration.expected_peers must be >= 1")
         require(self.agreement_tolerance > 0, "collaboration.agreement_tolerance must be > 0")
         require(self.inner_steps >= 1, f"collaboration.inner_steps must be >= 1 (got {self.inner_steps})")

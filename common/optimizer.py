@@ -583,7 +583,10 @@ def make_collaborative_optimizer(
         averager_opts=state_averager_opts,
         grad_averager_factory=grad_averager_factory,
         extra_tensors=averaged_buffers(task.model),
-        tracker_opts={"min_refresh_period": 0.2, "default_refresh_period": 1.0},
+        tracker_opts={
+            "min_refresh_period": collab.progress_poll_min_seconds,
+            "default_refresh_period": collab.progress_poll_max_seconds,
+        },
         verbose=True,  # status lines at INFO; common.lifecycle.setup_logging decides which loggers show them
         **diloco_options,
     )
