@@ -409,7 +409,9 @@ class CollaborativeBackend(TrainingBackend):
         if seconds <= 0 or self.optimizer.tracker.global_progress.num_peers <= 1:
             return
         if self.collab.semantics == Semantics.diloco and self.global_step % self.collab.inner_steps == 0:
-            return  # the run ended on an outer step: every trainer holds the same outer parameters already
+            if self.optimizer.outer_state_agreed:
+                return  # the run ended on a whole outer round: every trainer holds the same outer parameters
+            # a partial last round (a member left while it reduced its share) left each trainer its own values there
         logger.info(f"averaging the final parameters with the trainers that finish now (up to {seconds:g} s)")
         averager = self.optimizer.state_averager
         control = averager.schedule_step(

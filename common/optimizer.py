@@ -331,6 +331,10 @@ class DiLoCoOptimizer(hivemind.Optimizer):
             start=True,
         )
         self.outer_steps = 0  # outer steps this peer took part in (alone or with a group)
+        # whether the last outer step left this peer with the outer state of the other trainers: a whole round with
+        # one lineage, or a realignment. False after a step alone or a partial round (the final parameter round of
+        # common.backends then pulls the trainers together at the end of a run)
+        self.outer_state_agreed = True
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         return DiLoCoStateAverager(
@@ -408,6 +412,7 @@ class DiLoCoOptimizer(hivemind.Optimizer):
                 [self.state_averager.outer_lineage], next_epoch, [str(self.dht.peer_id)], kind="partial round"
             )
         self.outer_steps += 1
+        self.outer_state_agreed = bool(lineages) and not partial
         logger.log(
             self.status_loglevel,
             f"outer step before global step {next_epoch}: pseudo-gradient averaged with {partners} other peer(s)",
@@ -444,6 +449,7 @@ class DiLoCoOptimizer(hivemind.Optimizer):
                     self.state_averager.outer_lineage = next_outer_lineage(
                         [self.state_averager.outer_lineage], next_epoch, [str(self.dht.peer_id)], kind="not realigned"
                     )
+                    self.outer_state_agreed = False
                     return
                 realigned = realigned or members
         finally:
@@ -454,6 +460,7 @@ class DiLoCoOptimizer(hivemind.Optimizer):
         self.state_averager.outer_lineage = next_outer_lineage(
             realigned.values(), next_epoch, realigned.keys(), kind="realigned"
         )
+        self.outer_state_agreed = True
         logger.warning(
             f"outer state before global step {next_epoch}: realigned with {len(realigned) - 1} other peer(s) whose "
             f"outer parameters had another history"

@@ -120,6 +120,10 @@ def run_auxiliary(
                 logger.info(f"assisted global step {last_epoch - 1}")
                 announce_swarm_step(dht, config.collaboration.run_id, last_epoch, ENTRY_LIFETIME_SECONDS)
             if optimizer.local_epoch >= config.training.max_global_steps:
+                # step() returns once this peer has reduced its share of the last round, while p2pd may still be
+                # sending the averaged share to slow trainers: leaving at once cuts it off, and the trainers keep
+                # their own values for it (a partial round). Stay as long as the trainers' final averaging waits
+                stop.wait(config.collaboration.final_averaging_seconds)
                 break
             time.sleep(POLL_SECONDS)
         summary = {

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from common.backends import (
+    CollaborativeBackend,
     RunFingerprints,
     averaging_key,
     averaging_settings,
@@ -167,6 +168,7 @@ def test_a_round_of_one_lineage_takes_the_outer_step_only():
     assert len(trainer.outer_averager.calls) == 1  # no realigning round
     assert torch.allclose(outer[0], torch.tensor([2.0 - 0.5 * 1.9 * -1.5])) and torch.equal(model[0].data, outer[0])
     assert trainer.state_averager.outer_lineage == next_outer_lineage([""], 2, ["me", "other"])
+    assert trainer.outer_state_agreed  # a run that ends here needs no final parameter round
 
 
 def test_peers_with_different_lineages_average_their_outer_state_in_rounds_of_their_own():
@@ -188,6 +190,7 @@ def test_peers_with_different_lineages_average_their_outer_state_in_rounds_of_th
     assert torch.equal(outer_momentum_tensors(trainer.outer_optimizer)[0], torch.tensor([0.25]))
     assert calls[1][1] == after_step  # what the realigning rounds gather
     assert trainer.state_averager.outer_lineage == next_outer_lineage([after_step], 4, ["me", "other"], "realigned")
+    assert trainer.outer_state_agreed
 
 
 def test_a_realigning_round_without_partners_leaves_the_state_for_the_next_outer_step():
@@ -199,6 +202,7 @@ def test_a_realigning_round_without_partners_leaves_the_state_for_the_next_outer
     assert torch.equal(model[0].data, outer[0])
     after_step = next_outer_lineage(["alone", "swarm"], 4, ["me", "other"])
     assert trainer.state_averager.outer_lineage not in ("", after_step)  # the next round finds the difference again
+    assert not trainer.outer_state_agreed
 
 
 def test_outer_step_applies_the_pseudo_gradient_and_resets_the_model_to_the_outer_parameters():
@@ -421,6 +425,7 @@ def test_a_partial_round_gives_the_peer_a_lineage_of_its_own():
     assert torch.allclose(outer[0], torch.tensor([2.0 - 0.5 * 1.9 * -1.5]))  # the step is taken as averaged
     whole = next_outer_lineage([""], 2, ["me", "other"])
     assert trainer.state_averager.outer_lineage == next_outer_lineage([whole], 2, ["me"], kind="partial round")
+    assert not trainer.outer_state_agreed  # a run that ends here averages its final parameters once more
 
 
 def test_a_partial_realigning_round_counts_as_no_round():
@@ -468,3 +473,34 @@ def test_the_outer_averager_marks_a_round_in_which_a_reducer_failed(monkeypatch,
         if partial
         else {"peer_a": "lineage", "peer_b": "lineage"}
     )
+
+
+class RecordingStateAverager:
+    def __init__(self):
+        self.rounds = 0
+
+    def schedule_step(self, **kwargs):
+        return SimpleNamespace(began_allreduce=True, cancel=lambda: None)
+
+    def step(self, **kwargs):
+        self.rounds += 1
+
+
+@pytest.mark.parametrize("agreed, final_round", [(True, False), (False, True)])
+def test_a_run_ending_on_an_outer_step_averages_its_final_parameters_only_if_that_round_was_partial(
+    agreed, final_round
+):
+    """A member that left while it reduced its share (an auxiliary peer that exits at the last step) leaves every
+    trainer its own values for that share: then the final parameter round pulls them together."""
+    averager = RecordingStateAverager()
+    backend = SimpleNamespace(
+        collab=CollaborationConfig(semantics=Semantics.diloco, inner_steps=5, final_averaging_seconds=3.0),
+        global_step=10,
+        optimizer=SimpleNamespace(
+            tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=2)),
+            outer_state_agreed=agreed,
+            state_averager=averager,
+        ),
+    )
+    CollaborativeBackend.average_final_parameters(backend)
+    assert averager.rounds == int(final_round)
