@@ -262,6 +262,16 @@ def emulated_swarm(args, run_dir: Path, hosts: List[HostSpec], overrides: Sequen
         yield swarm, network
 
 
+def donors_not_ready(joined: int, donors: int, tripped: Optional[str]) -> str:
+    """Why the swarm a join storm needs was not ready: the memory guard, donors that never contributed, or a
+    monitor that has not recorded a step yet (it records one once it has seen two later ones)."""
+    if tripped:
+        return f"stopped before the storm: {tripped}"
+    if joined < donors:
+        return f"only {joined} of {donors} donors contributed within --join-timeout"
+    return "every donor contributed, but the monitor recorded no global step within --join-timeout: raise it"
+
+
 class MemoryGuard:
     """Stops a run before it starves the machine: the swarm's PSS over --memory-limit-gib, or the machine's
     available memory under --min-available-gib."""
@@ -700,8 +710,9 @@ def storm_main(args, stop: StopFlag) -> None:
             # the baseline starts once the swarm steps (the first global step comes a step's worth later)
             if len(joined) == len(donors) and HistoryWriter(run_dir / "monitor").read():
                 break
-            if time.monotonic() > deadline or guard.check(swarm, with_pss=False):
-                raise UserError(f"only {len(joined)} of {len(donors)} donors contributed within --join-timeout")
+            tripped = guard.check(swarm, with_pss=False)
+            if tripped or time.monotonic() > deadline:
+                raise UserError(donors_not_ready(len(joined), len(donors), tripped))
             logger.info(f"donors: {len(joined)}/{len(donors)} contributed")
             stop.wait(2)
         serving = ["monitor", *donors]

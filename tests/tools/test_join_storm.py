@@ -4,7 +4,9 @@ contributes, no download fails or runs past the deadline, the donors keep steppi
 left running. The run waits for events (donors stepping, newcomers in a global step), not for fixed windows."""
 
 import asyncio
+import importlib.util
 import json
+from pathlib import Path
 from typing import get_type_hints
 
 import pytest
@@ -13,6 +15,8 @@ from hivemind.averaging.averager import DecentralizedAverager
 from common.hivemind_patches.patcher import Patcher
 from common.hivemind_patches.uploads import limit_concurrent_state_uploads
 from tests.helpers import assert_no_processes_left, run_script
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_donor_serves_at_most_the_limit_and_turns_the_rest_away_at_once():
@@ -89,3 +93,12 @@ def test_newcomers_arriving_at_once_all_load_the_state_and_contribute(tmp_path):
     assert not {name: code for name, code in storm["exit_codes"].items() if code}, storm["exit_codes"]
     assert not storm["processes_left"]
     assert_no_processes_left(run_dir)
+
+
+def test_a_storm_that_cannot_start_says_which_part_was_not_ready():
+    spec = importlib.util.spec_from_file_location("scale_swarm", ROOT / "scripts" / "experiments" / "scale_swarm.py")
+    scale_swarm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale_swarm)
+    assert scale_swarm.donors_not_ready(4, 6, None) == "only 4 of 6 donors contributed within --join-timeout"
+    assert "monitor recorded no global step" in scale_swarm.donors_not_ready(6, 6, None)  # not the donors' fault
+    assert scale_swarm.donors_not_ready(6, 6, "the machine had only 1.0 GiB available").endswith("1.0 GiB available")
