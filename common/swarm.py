@@ -30,6 +30,14 @@ _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("lin
 ROLE_SCRIPTS = {"monitor": "scripts/monitor.py", "trainer": "scripts/train.py", "auxiliary": "scripts/aux_peer.py"}
 
 
+def trainer_stop_seconds(averaging_timeout: float) -> float:
+    """How long a trainer may take to exit after SIGTERM: it finishes its step, whose averaging round may wait
+    ``averaging_timeout`` for partners that are being stopped too, then hivemind's shutdown waits as long again for
+    its scheduled parameter round; exporting the model and stopping the DHT take the rest (a busy machine, a
+    sahajBERT-sized model: up to a minute). A launcher that SIGKILLs a trainer sooner cuts a clean shutdown short."""
+    return 2 * averaging_timeout + 90.0
+
+
 def _terminate_with_launcher(launcher_pid: int) -> Callable[[], None]:
     """Runs in the child between fork and exec (so it only calls a function resolved beforehand): the kernel sends
     the peer SIGTERM -- its graceful shutdown -- when the launcher's thread that started it dies."""

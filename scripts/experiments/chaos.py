@@ -21,11 +21,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common.config import CONFIG_KEYS_HELP
+from common.config import CONFIG_KEYS_HELP, load_config
 from common.errors import UserError, exit_on_user_error
 from common.lifecycle import StopFlag, setup_logging
 from common.peer import ADDRESS_FILE
-from common.swarm import LocalSwarm
+from common.swarm import LocalSwarm, trainer_stop_seconds
 from common.tools.provenance import process_group_rss_mib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +85,7 @@ class Chaos:
             *args.overrides,
         ]
         self.swarm = LocalSwarm(args.config, run_dir, overrides)
+        self.stop_grace = trainer_stop_seconds(load_config(args.config, overrides).collaboration.averaging_timeout)
 
     def addresses_of(self, names) -> list:
         files = [self.run_dir / name / ADDRESS_FILE for name in names]
@@ -132,9 +133,9 @@ class Chaos:
                 self.resume("thaw", name)
             time.sleep(self.args.settle)
             self.wait_for_the_monitor_to_catch_up()
-            self.swarm.stop_many([*self.trainers, "aux"], graceful=True, grace_seconds=60)
+            self.swarm.stop_many([*self.trainers, "aux"], graceful=True, grace_seconds=self.stop_grace)
             time.sleep(3)  # the monitor's last polls read the trainers' last records
-            self.swarm.stop("monitor", graceful=True, grace_seconds=60)
+            self.swarm.stop("monitor", graceful=True, grace_seconds=self.stop_grace)
 
     def wait_for_the_monitor_to_catch_up(self) -> None:
         """A monitor restarted by the last faults recovers the steps it missed from the records the trainers

@@ -45,7 +45,7 @@ import torch
 from common.checkpoints import CHECKPOINT_DIR, list_checkpoints, read_state_file
 from common.config import CONFIG_KEYS_HELP, load_config
 from common.optimizer import averaged_buffers
-from common.swarm import LocalSwarm
+from common.swarm import LocalSwarm, trainer_stop_seconds
 from common.task import EXPORT_DIR
 from common.tools.comparison import torchrun_command
 from common.tools.provenance import load_average
@@ -390,10 +390,9 @@ def run_swarm(rehearsal: Rehearsal, overrides: List[str], folder: Path, timeout:
                 should_stop=lambda: joined_and_stepped(swarm),
             )
         sample(swarm)
-        # a stopped peer finishes its step, whose round may wait averaging_timeout, then hivemind's shutdown waits
-        # for its scheduled round as long again: 180 s killed sahajBERT's trainer1 3 s early (run of 11:48)
+        # 180 s killed sahajBERT's trainer1 3 s early (run of 11:48)
         averaging_timeout = load_config(config_path, overrides).collaboration.averaging_timeout
-        swarm.stop_many(everyone, graceful=True, grace_seconds=2 * averaging_timeout + 90.0)
+        swarm.stop_many(everyone, graceful=True, grace_seconds=trainer_stop_seconds(averaging_timeout))
         problems = [f"{name} exit {swarm.peers[name].process.returncode}" for name in everyone]
         problems = [problem for problem in problems if not problem.endswith(" exit 0")]
         if not started_late:

@@ -58,7 +58,7 @@ from common.hivemind_patches.uploads import TURNED_AWAY
 from common.lifecycle import StopFlag, setup_logging
 from common.metrics import HistoryWriter
 from common.startup import STARTUP_FILE
-from common.swarm import LocalSwarm
+from common.swarm import LocalSwarm, trainer_stop_seconds
 from common.tools.netns import EmulatedNetwork, HostSpec
 from common.tools.provenance import git_commit, load_average, machine_description
 
@@ -387,7 +387,8 @@ def run_scale(args, count: int, stop: StopFlag) -> dict:
         window_end = time.time()
         bytes_end = {name: veth_bytes(network.namespaces[network.index_of(name)]) for name in names} if network else {}
         result["load_average_at_end"] = load_average()
-        swarm.stop_many([name for name in names if name in swarm.peers], grace_seconds=60)
+        grace = trainer_stop_seconds(collab.averaging_timeout)
+        swarm.stop_many([name for name in names if name in swarm.peers], grace_seconds=grace)
         time.sleep(3)
         swarm.stop_many(["monitor"])
         result["exit_codes"] = {name: peer.process.returncode for name, peer in swarm.peers.items()}
@@ -766,7 +767,8 @@ def storm_main(args, stop: StopFlag) -> None:
         after_end = time.time()
         result["load_average_at_end"] = load_average()
         trainers = [name for name in [*donors, *newcomers] if name in swarm.peers]
-        swarm.stop_many(trainers, grace_seconds=60)
+        grace = trainer_stop_seconds(collab.averaging_timeout)
+        swarm.stop_many(trainers, grace_seconds=grace)
         time.sleep(3)
         swarm.stop_many(["monitor"])
         result["exit_codes"] = {name: peer.process.returncode for name, peer in swarm.peers.items()}

@@ -9,7 +9,7 @@ import pytest
 
 from common.report import build_report, format_report
 from common.startup import STARTUP_FILE
-from common.swarm import LocalSwarm
+from common.swarm import LocalSwarm, trainer_stop_seconds
 from tests.helpers import (
     EQUIVALENCE_OVERRIDES,
     FP16_TOLERANCE,
@@ -137,3 +137,10 @@ def test_the_swarm_launcher_fails_when_its_trainers_outlast_its_timeout(tmp_path
     assert "Traceback" not in result.stderr
     assert (tmp_path / "summary.json").is_file()  # the report of the steps it reached is still written
     assert_no_processes_left(tmp_path)
+
+
+def test_launchers_wait_for_a_stopped_trainers_two_rounds_before_killing_it():
+    """A trainer stopped as its partners stop waits averaging_timeout in its step's round and as long again in
+    hivemind's shutdown; the join-storm driver's 60 s at averaging_timeout 30 SIGKILLed one 60.1 s after SIGTERM."""
+    assert trainer_stop_seconds(30.0) > 2 * 30.0 + 30.0
+    assert trainer_stop_seconds(60.0) > trainer_stop_seconds(30.0)
