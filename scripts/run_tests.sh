@@ -7,8 +7,8 @@ cd "$ROOT"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline WANDB_SILENT=true
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# One test process (about 40 minutes on 2 cores, 53 on CI's machine). `-n 4` runs whole files on 4 processes
-# (--dist loadfile, the longest first: tests/conftest.py) in about 32 minutes; each of its three clean runs had a
-# timing failure, each since root-caused and fixed, but none has passed clean since:
+# One test process (about 40 minutes on 2 cores, 46-53 on CI's machine). `-n 2` / `-n 4` run whole files on 2 / 4
+# processes (--dist loadfile, the longest first: tests/conftest.py) in about 38 / 32 minutes; each of their clean
+# runs had a timing failure, each since root-caused and fixed, but none has passed clean since:
 # paper_results/core/test_suite_times.md. `-m "not slow"` is the fast tier (about 3 minutes with -n 4).
 exec .venv/bin/python -m pytest tests -n 0 --dist loadfile "$@"
