@@ -1,7 +1,10 @@
 """From the emulated run's heldout.csv and runs.json: each setup against sync at its own samples, and where each
 trainer's bytes went (to trainers, the auxiliary peer, the monitor).
 
-    .venv/bin/python paper_results/comparison/diloco/analyse_emulated.py paper_results/comparison/diloco/emulated
+    .venv/bin/python paper_results/comparison/diloco/analyse_emulated.py FOLDER [RUNS]
+
+With RUNS (the driver's ``--runs`` folder) it first writes FOLDER/runs.json: each setup's run.json with its peers'
+summary.json files under ``peer_summaries``.
 
 Writes equal_samples.csv and bytes_by_destination.csv into that folder. The table's "at equal samples" column
 compares every setup at the fewest samples any setup reached (9,600: one process and DDP); this compares each
@@ -21,8 +24,21 @@ def interpolate(points, x):
     return None
 
 
+def collect_runs(runs: Path) -> dict:
+    """Each setup's run.json (launch, recipe, per-host bytes) with its peers' summaries."""
+    collected = {}
+    for setup in sorted(path for path in runs.iterdir() if (path / "run.json").is_file()):
+        run = json.loads((setup / "run.json").read_text())
+        summaries = setup.glob("*/summary.json")
+        run["peer_summaries"] = {path.parent.name: json.loads(path.read_text()) for path in summaries}
+        collected[setup.name] = run
+    return collected
+
+
 def main() -> None:
     folder = Path(sys.argv[1])
+    if len(sys.argv) > 2:
+        (folder / "runs.json").write_text(json.dumps(collect_runs(Path(sys.argv[2])), indent=1) + "\n")
     with (folder / "heldout.csv").open() as handle:
         heldout = list(csv.DictReader(handle))
     setups = list(dict.fromkeys(row["setup"] for row in heldout))
