@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -9,6 +10,20 @@ import sys
 import threading
 from pathlib import Path
 from typing import Optional
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel for SIGTERM (a peer's graceful stop) when the thread that started this process dies; exit if
+    the parent ``parent_pid`` is already gone. Linux only (elsewhere a launcher's peers outlive a SIGKILL of it).
+    Called in a child between fork and exec, so it only calls functions resolved beforehand."""
+    if _PRCTL is None:
+        return
+    _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 class StopFlag:

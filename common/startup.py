@@ -20,7 +20,6 @@ logger = logging.getLogger(__name__)
 
 STARTUP_FILE = "startup.json"
 
-_process_started = psutil.Process().create_time()  # unix time the interpreter was started (before any import)
 _phases: List[Tuple[str, float]] = []
 _output_dir: Optional[Path] = None
 _reported = False
@@ -40,14 +39,16 @@ def write_to(output_dir: Path) -> None:
 def breakdown() -> dict:
     """Seconds per phase, in order, the total since the process started, and the unix time each phase (last)
     ended, which lines peers' start-ups up against each other."""
-    previous, phases, ended_at = _process_started, {}, {}
+    # when this process was created: before any import, or when a preloaded launcher forked it (common/preloaded.py)
+    process_started = psutil.Process().create_time()
+    previous, phases, ended_at = process_started, {}, {}
     for phase, ended in _phases:
         phases[phase] = phases.get(phase, 0.0) + ended - previous
         ended_at[phase] = ended
         previous = ended
     return {
         "phases": {name: round(seconds, 3) for name, seconds in phases.items()},
-        "total": previous - _process_started,
+        "total": previous - process_started,
         "ended_at": ended_at,
     }
 

@@ -8,7 +8,6 @@ whole process group, so no DHT process or p2pd daemon outlives the swarm. A laun
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -19,14 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from omegaconf import OmegaConf
+
 from common.errors import PeerError
+from common.lifecycle import die_with_parent
 from common.peer import ADDRESS_FILE
+from common.preloaded import COMMON_MODULES, PreloadedLauncher
 
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 ROLE_SCRIPTS = {"monitor": "scripts/monitor.py", "trainer": "scripts/train.py", "auxiliary": "scripts/aux_peer.py"}
 
 
@@ -39,15 +40,9 @@ def trainer_stop_seconds(averaging_timeout: float) -> float:
 
 
 def _terminate_with_launcher(launcher_pid: int) -> Callable[[], None]:
-    """Runs in the child between fork and exec (so it only calls a function resolved beforehand): the kernel sends
-    the peer SIGTERM -- its graceful shutdown -- when the launcher's thread that started it dies."""
-
-    def set_parent_death_signal() -> None:
-        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
-            os._exit(1)
-
-    return set_parent_death_signal
+    """``preexec_fn``: the kernel sends the peer SIGTERM -- its graceful shutdown -- when the launcher's thread that
+    started it dies."""
+    return lambda: die_with_parent(launcher_pid)
 
 
 @dataclass
@@ -114,6 +109,16 @@ def stop_process_group(
 LOOPBACK_LISTEN = "network.host_maddrs=[/ip4/127.0.0.1/tcp/0]"
 
 
+def _task_modules(config_path: str) -> List[str]:
+    """The run's experiment module, to import before the peers fork; none if the config cannot be read (each peer
+    then reports that itself)."""
+    try:
+        task_module = OmegaConf.load(ROOT / config_path).get("task_module")
+    except Exception:
+        return []
+    return [f"{task_module}.task"] if isinstance(task_module, str) and task_module.isidentifier() else []
+
+
 class LocalSwarm:
     """Starts and stops peers of one run; use as a context manager so everything is cleaned up."""
 
@@ -125,6 +130,7 @@ class LocalSwarm:
         command_prefix: Optional[Callable[[str], List[str]]] = None,
         host_overrides: Optional[Callable[[str], List[str]]] = None,
         environment: Optional[Dict[str, str]] = None,
+        preload: bool = True,
     ):
         self.config_path, self.output_dir, self.overrides = config_path, Path(output_dir), list(overrides)
         self.command_prefix = command_prefix  # e.g. ["ip", "netns", "exec", ns] to place a peer in a namespace
@@ -132,6 +138,21 @@ class LocalSwarm:
         self.environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(environment or {})}
         self.peers: Dict[str, PeerProcess] = {}
         self.initial_peers: List[str] = []
+        # peers on this machine's own network are forked from one process that imported torch and hivemind once
+        # (common/preloaded.py); a command prefix (a network namespace) needs a process of its own
+        self.preload = preload
+        self._launcher: Optional[PreloadedLauncher] = None
+
+    def _preloaded(self) -> PreloadedLauncher:
+        if self._launcher is None or not self._launcher.alive:
+            self._launcher = PreloadedLauncher(
+                self.output_dir,
+                [*COMMON_MODULES, *_task_modules(self.config_path)],
+                self.environment,
+                ROOT,
+                preexec_fn=_terminate_with_launcher(os.getpid()),
+            )
+        return self._launcher
 
     def __enter__(self) -> "LocalSwarm":
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -167,18 +188,25 @@ class LocalSwarm:
             *(self.host_overrides(name) if self.host_overrides else []),
             *extra_overrides,
         ]
-        log = (output_dir / "peer.log").open("ab")
-        process = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.environment,
-            start_new_session=True,
-            preexec_fn=_terminate_with_launcher(os.getpid()) if _PRCTL else None,
-        )
-        log.close()
+        process = None
+        if self.command_prefix is None and self.preload:
+            try:
+                process = self._preloaded().start(command, ROOT, self.environment, output_dir / "peer.log")
+            except RuntimeError as error:
+                logger.warning(f"{error}; starting each peer in an interpreter of its own")
+                self.preload = False
+        if process is None:
+            with (output_dir / "peer.log").open("ab") as log:
+                process = subprocess.Popen(
+                    command,
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=self.environment,
+                    start_new_session=True,
+                    preexec_fn=_terminate_with_launcher(os.getpid()),
+                )
         peer = PeerProcess(name=name, role=role, output_dir=output_dir, process=process)
         self.peers[name] = peer
         logger.info(f"started {role} {name} (pid {process.pid})")
@@ -253,3 +281,6 @@ class LocalSwarm:
         leftovers = [name for name, peer in self.peers.items() if peer.alive() or _group_alive(peer.process.pid)]
         if leftovers:
             self.stop_many(leftovers, graceful=True, grace_seconds=15.0)
+        if self._launcher is not None:
+            self._launcher.close()
+            self._launcher = None

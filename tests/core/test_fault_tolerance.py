@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from transformers import AlbertForPreTraining
@@ -242,11 +243,13 @@ def test_peers_and_their_p2pd_exit_when_the_launcher_is_sigkilled(tmp_path, tiny
         # The launcher starts the auxiliary and the trainer together; the trainer may pass its barrier first.
         wait_for_log(tmp_path / "aux0" / "peer.log", "peer id", 1, timeout=120)
         groups = process_groups()
-        children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
-        peer_groups = [int(pid) for pid in children if int(pid) in groups]  # each peer leads its own group
-        assert len(peer_groups) == 3, f"expected monitor, auxiliary and trainer under the launcher: {peer_groups}"
+        # each peer leads its own group, and so does the preloaded process the launcher forks them from
+        leaders = [child for child in psutil.Process(launcher.pid).children(recursive=True) if child.pid in groups]
+        peers = [child.pid for child in leaders if "--name" in child.cmdline()]
+        assert len(peers) == 3, f"expected monitor, auxiliary and trainer under the launcher: {peers}"
+        peer_groups = [child.pid for child in leaders]
         p2pd = subprocess.run(["pgrep", "p2pd"], capture_output=True, text=True).stdout.split()
-        assert sum(int(pid) in groups[pgid] for pgid in peer_groups for pid in p2pd) == 3, "each peer runs a p2pd"
+        assert sum(int(pid) in groups[pgid] for pgid in peers for pid in p2pd) == 3, "each peer runs a p2pd"
         launcher.kill()
         launcher.wait(timeout=10)
         deadline = time.monotonic() + 60

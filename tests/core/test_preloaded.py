@@ -1,0 +1,103 @@
+"""A peer forked from the preloaded process (common/preloaded.py) is the process its command would have started:
+its arguments, folder, environment, log, process group, title and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from common.preloaded import COMMON_MODULES, PreloadedLauncher
+from tests.helpers import ROOT
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import setproctitle
+    if sys.argv[1] == "report":
+        json.dump({
+            "argv": sys.argv, "cwd": os.getcwd(), "marker": os.environ.get("PRELOADED_TEST_MARKER"),
+            "leads_group": os.getpgrp() == os.getpid(), "stdin": sys.stdin.read(),
+            "title": setproctitle.getproctitle(), "main": __name__,
+        }, open(sys.argv[2], "w"))
+        print("written to the log")
+        sys.exit(3)
+    if sys.argv[1] == "sleep":
+        time.sleep(60)
+    raise ValueError("a script's own error")
+    """
+)
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    started = PreloadedLauncher(tmp_path / "launcher", ["json"], dict(os.environ), ROOT)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+def test_a_forked_script_gets_its_arguments_folder_environment_log_group_and_exit_code(tmp_path, launcher):
+    script, report, log = tmp_path / "peer.py", tmp_path / "report.json", tmp_path / "peer.log"
+    script.write_text(SCRIPT)
+    environment = {**os.environ, "PRELOADED_TEST_MARKER": "seen"}
+    argv = [sys.executable, str(script), "report", str(report)]
+    process = launcher.start(argv, tmp_path, environment, log)
+    # the title is set before the pid is handed out: ps and pgrep see the peer's own command at once
+    assert psutil.Process(process.pid).cmdline()[1:] in (argv[1:], " ".join(argv).split()[1:])
+    assert process.wait(timeout=30) == 3 and process.poll() == 3
+    seen = json.loads(report.read_text())
+    assert seen == {
+        "argv": [str(script), "report", str(report)],
+        "cwd": str(tmp_path),
+        "marker": "seen",
+        "leads_group": True,
+        "stdin": "",
+        "title": " ".join(argv),
+        "main": "__main__",
+    }
+    assert log.read_text() == "written to the log\n"
+
+
+def test_signals_and_errors_end_a_forked_script_as_they_end_a_started_one(tmp_path, launcher):
+    script = tmp_path / "peer.py"
+    script.write_text(SCRIPT)
+    sleeper = launcher.start([sys.executable, str(script), "sleep"], tmp_path, dict(os.environ), tmp_path / "a.log")
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(timeout=0.5)
+    sleeper.send_signal(signal.SIGTERM)
+    assert sleeper.wait(timeout=30) == -signal.SIGTERM
+    failing = launcher.start([sys.executable, str(script), "fail"], tmp_path, dict(os.environ), tmp_path / "b.log")
+    assert failing.wait(timeout=30) == 1
+    assert "ValueError: a script's own error" in (tmp_path / "b.log").read_text()
+
+
+def test_peers_get_sigterm_when_the_preloaded_process_ends(tmp_path, launcher):
+    script = tmp_path / "peer.py"
+    script.write_text(SCRIPT)
+    sleeper = launcher.start([sys.executable, str(script), "sleep"], tmp_path, dict(os.environ), tmp_path / "a.log")
+    launcher.server.kill()
+    assert sleeper.wait(timeout=30) == -signal.SIGTERM  # what the launcher reports once the replies end
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(sleeper.pid) and psutil.Process(sleeper.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "a peer outlived its preloaded process"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_peers_modules_import_without_starting_a_thread(tmp_path):
+    """A fork copies only the forking thread; a lock another thread held would stay held in every peer."""
+    launcher = PreloadedLauncher(tmp_path, [*COMMON_MODULES, "albert.task", "swav.task"], dict(os.environ), ROOT)
+    try:
+        assert launcher.threads_after_imports == 1
+    finally:
+        launcher.close()
