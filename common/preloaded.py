@@ -9,6 +9,8 @@ imports are shared (copy-on-write), as ``multiprocessing``'s forkserver shares i
 
 A fork is safe here because the imports start no thread (the preloaded process reports its thread count and the
 launcher refuses more than one): torch's thread pools, hivemind's DHT and the p2p daemon start later, in the peer.
+What a fork would share that separate imports do not, the semaphores modules create at import, each peer makes
+anew (``import_time_semaphores``).
 
 Protocol (one JSON object per line): the launcher writes ``{"argv", "cwd", "env", "log"}`` to the preloaded
 process's stdin; it answers ``{"started": pid}`` on stdout, and ``{"exited": pid, "returncode": code}`` (a
@@ -23,6 +25,8 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import multiprocessing
+import multiprocessing.synchronize
 import os
 import queue
 import runpy
@@ -33,7 +37,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import setproctitle
 
@@ -104,6 +108,8 @@ class PreloadedLauncher:
         self._ready = threading.Event()
         self._ended = False
         self.threads_after_imports = 0
+        self.unrenewable_semaphores: List[str] = []
+        self.renewed_semaphores = 0
         self._reader = threading.Thread(target=self._read_replies, name="preloaded-replies", daemon=True)
         self._reader.start()
         if not self._ready.wait(READY_SECONDS):
@@ -115,6 +121,10 @@ class PreloadedLauncher:
         if self.threads_after_imports != 1:
             self.close()
             raise RuntimeError(f"importing {', '.join(modules)} started threads: forking peers from it is unsafe")
+        if self.unrenewable_semaphores:
+            self.close()
+            shared = ", ".join(self.unrenewable_semaphores)
+            raise RuntimeError(f"importing {', '.join(modules)} created {shared}: the peers would share them")
 
     @property
     def alive(self) -> bool:
@@ -137,6 +147,8 @@ class PreloadedLauncher:
             reply = json.loads(line)
             if reply.get("ready"):
                 self.threads_after_imports = reply["threads"]
+                self.unrenewable_semaphores = reply["unrenewable"]
+                self.renewed_semaphores = reply["semaphores"]
                 self._ready.set()
             elif "started" in reply:
                 process = PreloadedProcess(reply["started"], self._pending_args.get(), self)
@@ -176,13 +188,52 @@ class PreloadedLauncher:
 # ---- the preloaded process ------------------------------------------------------------------------------------
 
 
+# What a module may create at import that the processes forked from one parent share: a POSIX semaphore. hivemind
+# creates four (``MPFuture``'s initialization and update locks, ``SharedBytes._lock``, the process-wide executor's
+# lock); shared by all peers, one peer SIGKILLed while holding one would block every other peer forever. A peer
+# that imports hivemind itself has its own, so each forked peer gets new ones.
+_RENEWABLE = {
+    multiprocessing.synchronize.Lock: lambda old: multiprocessing.Lock(),
+    multiprocessing.synchronize.RLock: lambda old: multiprocessing.RLock(),
+}
+
+
+def import_time_semaphores() -> List[Tuple[object, str]]:
+    """``(owner, attribute)`` of each multiprocessing synchronization object held by a loaded module or by a class
+    it defines."""
+    found = []
+    for module in list(sys.modules.values()):
+        try:
+            namespace = dict(vars(module))
+        except TypeError:
+            continue
+        owners = [module] + [
+            value
+            for value in namespace.values()
+            if isinstance(value, type) and getattr(value, "__module__", None) == module.__name__
+        ]
+        for owner in owners:
+            for name, value in list(vars(owner).items()):
+                if isinstance(value, (multiprocessing.synchronize.SemLock, multiprocessing.synchronize.Event)):
+                    found.append((owner, name))
+    return found
+
+
+def _renew_semaphores(semaphores: Sequence[Tuple[object, str]]) -> None:
+    for owner, name in semaphores:
+        setattr(owner, name, _RENEWABLE[type(getattr(owner, name))](getattr(owner, name)))
+
+
 def _reply(message: dict) -> None:
     data = json.dumps(message).encode() + b"\n"
     while data:
         data = data[os.write(1, data) :]
 
 
-def _run_peer(request: dict, server_pid: int, private_fds: Sequence[int], titled_fd: int) -> None:
+Semaphores = Sequence[Tuple[object, str]]
+
+
+def _run_peer(request: dict, server_pid: int, private_fds: Sequence[int], titled_fd: int, semaphores: Semaphores):
     """In the forked child: become the peer ``python <argv>`` would have been, then run its script. Never returns:
     the script's SystemExit (or the one raised here) unwinds to the interpreter, which exits as a script's does."""
     signal.set_wakeup_fd(-1)
@@ -204,6 +255,7 @@ def _run_peer(request: dict, server_pid: int, private_fds: Sequence[int], titled
     os.close(null)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    _renew_semaphores(semaphores)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -237,8 +289,12 @@ def serve(modules: Sequence[str]) -> None:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below through the wakeup descriptor
     sys.stderr.flush()  # or every forked peer would write what is left in the buffer (import warnings) to its log
+    semaphores = import_time_semaphores()
+    kinds = {type(getattr(owner, name)).__name__ for owner, name in semaphores}
+    unknown = sorted(kinds - {kind.__name__ for kind in _RENEWABLE})
     # forking is safe only while this process runs one thread (a lock held by another would stay held in the peer)
-    _reply({"ready": True, "threads": threading.active_count()})
+    # and every shared semaphore can be made anew
+    _reply({"ready": True, "threads": threading.active_count(), "unrenewable": unknown, "semaphores": len(semaphores)})
     pending, children = b"", 0
     while True:
         readable, _, _ = select.select([0, wake_read], [], [], 5.0)
@@ -268,7 +324,7 @@ def serve(modules: Sequence[str]) -> None:
                 titled_read, titled_write = os.pipe()
                 pid = os.fork()
                 if pid == 0:
-                    _run_peer(request, os.getppid(), (wake_read, wake_write, titled_read), titled_write)
+                    _run_peer(request, os.getppid(), (wake_read, wake_write, titled_read), titled_write, semaphores)
                 os.close(titled_write)
                 os.read(titled_read, 1)  # end of file once the peer has its title (or has died)
                 os.close(titled_read)

@@ -92,12 +92,47 @@ def test_peers_get_sigterm_when_the_preloaded_process_ends(tmp_path, launcher):
         time.sleep(0.1)
 
 
+LOCK_HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from hivemind.utils.mpfuture import MPFuture
+    if not MPFuture._update_lock.acquire(timeout=10):
+        sys.exit(5)
+    print("holding", flush=True)
+    if sys.argv[1] == "hold":
+        time.sleep(60)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_killed_holding_a_hivemind_lock_does_not_block_the_next_one(tmp_path):
+    """hivemind creates multiprocessing locks at import (``MPFuture._update_lock`` and three more): peers forked
+    from one preloaded process get locks of their own, as peers that import hivemind themselves have."""
+    launcher = PreloadedLauncher(tmp_path / "launcher", ["hivemind"], dict(os.environ), ROOT)
+    try:
+        assert launcher.renewed_semaphores >= 4
+        script, holder_log = tmp_path / "holder.py", tmp_path / "holder.log"
+        script.write_text(LOCK_HOLDER)
+        holder = launcher.start([sys.executable, str(script), "hold"], tmp_path, dict(os.environ), holder_log)
+        deadline = time.monotonic() + 60
+        while "holding" not in (holder_log.read_text() if holder_log.exists() else ""):
+            assert holder.poll() is None and time.monotonic() < deadline, holder_log.read_text()
+            time.sleep(0.1)
+        holder.kill()
+        assert holder.wait(timeout=30) == -signal.SIGKILL
+        after = launcher.start([sys.executable, str(script), "release"], tmp_path, dict(os.environ), tmp_path / "b")
+        assert after.wait(timeout=60) == 0, (tmp_path / "b").read_text()
+    finally:
+        launcher.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_peers_modules_import_without_starting_a_thread(tmp_path):
     """A fork copies only the forking thread; a lock another thread held would stay held in every peer."""
     launcher = PreloadedLauncher(tmp_path, [*COMMON_MODULES, "albert.task", "swav.task"], dict(os.environ), ROOT)
     try:
-        assert launcher.threads_after_imports == 1
+        assert launcher.threads_after_imports == 1 and launcher.unrenewable_semaphores == []
     finally:
         launcher.close()
