@@ -43,8 +43,8 @@ def assert_one_line_error(result, fragment: str) -> None:
         ),
     ],
 )
-def test_bad_input_is_one_line_error(script, arguments, fragment):
-    result = run_script(script, "--config", TINY, "task.max_documents=500", *arguments, timeout=240)
+def test_bad_input_is_one_line_error(script, arguments, fragment, preloaded_script):
+    result = preloaded_script(script, "--config", TINY, "task.max_documents=500", *arguments, timeout=240)
     assert_one_line_error(result, fragment)
 
 
@@ -92,11 +92,11 @@ def _write_bad_inputs(folder) -> dict:
         ("scripts/train.py", None, ["task.corpus={latin1}"], "is not UTF-8 text"),
     ],
 )
-def test_bad_files_are_one_line_errors(tmp_path, script, config, arguments, fragment):
+def test_bad_files_are_one_line_errors(tmp_path, script, config, arguments, fragment, preloaded_script):
     paths = _write_bad_inputs(tmp_path)
     config_path = str(paths[config]) if config else TINY
     arguments = [argument.format(**paths) for argument in arguments]
-    result = run_script(script, "--config", config_path, "task.max_documents=500", *arguments, timeout=240)
+    result = preloaded_script(script, "--config", config_path, "task.max_documents=500", *arguments, timeout=240)
     assert_one_line_error(result, fragment)
     assert "hub is unreachable" not in result.stderr  # a local file's problem is never blamed on the network
 
@@ -129,11 +129,11 @@ def test_corrupt_state_file_is_one_data_error_and_the_previous_checkpoint_serves
 
 
 @pytest.mark.timeout(240)
-def test_export_of_a_corrupt_checkpoint_is_one_line_error(tmp_path):
+def test_export_of_a_corrupt_checkpoint_is_one_line_error(tmp_path, preloaded_script):
     checkpoint = tmp_path / "step_0000002.pt"
     torch.save({"step": 2, "model": {}}, checkpoint)
     _torn(checkpoint)
-    result = run_script(
+    result = preloaded_script(
         "scripts/export_model.py",
         "--config",
         TINY,
@@ -154,11 +154,11 @@ def test_blockwise8bit_without_bitsandbytes_is_refused_at_load():
     assert load_config(TINY, ["collaboration.compression=uniform8bit"]).collaboration.compression == "uniform8bit"
 
 
-def test_a_corpus_of_one_sentence_lines_is_one_line_error(tmp_path):
+def test_a_corpus_of_one_sentence_lines_is_one_line_error(tmp_path, preloaded_script):
     lines = [f"Sentence number {index} says one thing about the weather." for index in range(400)]
     corpus = tmp_path / "one_sentence_per_line.txt"
     corpus.write_text("\n".join(lines) + "\n")
-    result = run_script(
+    result = preloaded_script(
         "scripts/train.py",
         "--config",
         TINY,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.config import RunConfig
-from tests.helpers import ROOT, run_script
+from tests.helpers import ROOT
 
 SCRIPTS = sorted(
     str(path.relative_to(ROOT))
@@ -26,8 +26,8 @@ KEY = re.compile(r"\b(network|collaboration|training|monitor|debug|task)\.([a-z_
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_script_has_help_that_points_to_the_config_keys(script):
-    result = run_script(script, "--help", timeout=120)
+def test_every_script_has_help_that_points_to_the_config_keys(script, preloaded_script):
+    result = preloaded_script(script, "--help", timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     if "--config" in result.stdout:
         assert "common/config.py" in result.stdout, f"{script} --help does not say where config keys are listed"
