@@ -7,8 +7,9 @@ cd "$ROOT"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline WANDB_SILENT=true
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# One test process (about 40 minutes on 2 cores, 46-53 on CI's machine). `-n 2` / `-n 4` run whole files on 2 / 4
-# processes (--dist loadfile, the longest first: tests/conftest.py) in about 36 / 32 minutes; every timing failure
-# they showed is root-caused and fixed, and `-n 2` has passed one clean run of two since (one run is not yet
-# reason to switch CI): paper_results/core/test_suite_times.md. `-m "not slow"` is the fast tier (about 3 minutes with -n 4).
+# One test process (45-55 minutes on 2 cores). `-n 2` / `-n 4` run whole files on 2 / 4 processes (--dist loadfile,
+# the longest first: tests/conftest.py) in about 36 / 32 minutes; every failure they showed is root-caused and fixed,
+# and `-n 2` passed two of its last three clean-clone runs (the third failed on a launcher defect, fixed since):
+# paper_results/core/test_suite_times.md.
+# `-m "not slow"` is the fast tier (about 3 minutes with -n 4).
 exec .venv/bin/python -m pytest tests -n 0 --dist loadfile "$@"
