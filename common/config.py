@@ -149,6 +149,10 @@ class CollaborationConfig:
     # peer's traffic outside averaging rounds (paper_results/comparison/diloco)
     progress_poll_min_seconds: float = 0.2
     progress_poll_max_seconds: float = 1.0
+    # a peer's progress record lives this long after its last report (hivemind's metadata_expiration), so the
+    # swarm's step outlives crashed trainers by as much; a newcomer whose state downloads served nothing as new as
+    # that step for as long concludes the peers that held the state left, and goes on from the newest one served
+    progress_expiration: float = 60.0
     expected_peers: int = 1  # start barrier: trainers wait until this many trainers report progress
     start_barrier_timeout: float = 120.0
     # run reports call trainers' final parameters "the same" within this (max absolute element difference);
@@ -195,6 +199,7 @@ class CollaborationConfig:
             0 < self.progress_poll_min_seconds <= self.progress_poll_max_seconds,
             "collaboration.progress_poll_min_seconds must be > 0 and at most collaboration.progress_poll_max_seconds",
         )
+        require(self.progress_expiration > 0, "collaboration.progress_expiration must be > 0")
         require(self.expected_peers >= 1, "collaboration.expected_peers must be >= 1")
         require(self.agreement_tolerance > 0, "collaboration.agreement_tolerance must be > 0")
         require(self.inner_steps >= 1, f"collaboration.inner_steps must be >= 1 (got {self.inner_steps})")

@@ -253,9 +253,9 @@ def announce_swarm_step(dht: hivemind.DHT, run_id: str, step: int, lifetime: flo
     """Announce the global step this peer follows, for ``lifetime`` seconds (signed: only we can replace it).
 
     hivemind's progress records come from peers that accumulate samples only, and a record outlives its peer by
-    up to ``metadata_expiration`` (60 s): when every trainer has crashed, the swarm's step vanishes from the DHT a
-    minute later. This record keeps it while an auxiliary peer lives, so a newcomer still learns the step the swarm
-    reached (``bound_state_downloads``)."""
+    up to ``collaboration.progress_expiration`` (60 s): when every trainer has crashed, the swarm's step vanishes
+    from the DHT that much later. This record keeps it while an auxiliary peer lives, so a newcomer still learns
+    the step the swarm reached (``bound_state_downloads``)."""
     store_signed(dht, swarm_step_key(run_id), int(step), lifetime)
 
 

@@ -18,7 +18,6 @@ from common.hivemind_patches.fixes import (
 from common.hivemind_patches.policies import (
     ENDED_AVERAGER,
     GROUPLESS_ROUND,
-    HOLDERS_GONE_AFTER_SECONDS,
     bound_state_downloads,
     catch_up_one_step_behind,
     count_state_reloads,
@@ -31,7 +30,6 @@ from common.hivemind_patches.policies import (
 __all__ = [
     "ENDED_AVERAGER",
     "GROUPLESS_ROUND",
-    "HOLDERS_GONE_AFTER_SECONDS",
     "PATCH_SET_VERSION",
     "PINNED_VERSION",
     "StreamCutShort",

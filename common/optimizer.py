@@ -593,6 +593,7 @@ def make_collaborative_optimizer(
         tracker_opts={
             "min_refresh_period": collab.progress_poll_min_seconds,
             "default_refresh_period": collab.progress_poll_max_seconds,
+            "metadata_expiration": collab.progress_expiration,
         },
         verbose=True,  # status lines at INFO; common.lifecycle.setup_logging decides which loggers show them
         **diloco_options,
@@ -602,6 +603,7 @@ def make_collaborative_optimizer(
         collab.load_state_deadline,
         stop_requested or (lambda: False),
         announced_step=functools.partial(read_announced_swarm_step, dht, collab.run_id),
+        holders_gone_after=collab.progress_expiration,
     )
     if collab.catch_up_one_step_behind and not diloco:  # diloco has its own rule (missed_an_outer_step)
         catch_up_one_step_behind(optimizer)

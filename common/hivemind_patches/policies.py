@@ -285,11 +285,6 @@ def restart_throughput_timer(optimizer: hivemind.Optimizer) -> None:
 
 STATE_RETRY_MAX_SECONDS = 16.0  # longest wait between two attempts to download the swarm's state
 STOP_POLL_SECONDS = 0.25  # how often a wait between attempts checks whether the peer was asked to stop
-# A download that served nothing as new as the swarm's step for this long means the peers that held that state
-# left. The step outlives them: crashed trainers' progress records stay in the DHT for hivemind's
-# metadata_expiration (60 s), and auxiliary peers, which follow the step without holding its state, announce it
-# for as long as they live (common.dht.announce_swarm_step).
-HOLDERS_GONE_AFTER_SECONDS = 60.0
 
 
 def bound_state_downloads(
@@ -297,6 +292,7 @@ def bound_state_downloads(
     deadline: float,
     stop_requested: Callable[[], bool] = lambda: False,
     announced_step: Callable[[], int] = lambda: -1,
+    holders_gone_after: float = 60.0,
 ) -> None:
     """Make ``optimizer.load_state_from_peers`` retry with backoff and give up after
     ``deadline`` seconds with one line (``PeerError``).
@@ -308,17 +304,19 @@ def bound_state_downloads(
     swarm's step if one behind, report progress, share state at its new step, drop accumulated gradients -- but
     retries after 1, 2, 4 ... s (at most ``STATE_RETRY_MAX_SECONDS``) with one WARNING line per failed attempt,
     until ``collaboration.load_state_deadline``. An attempt that loaded nothing newer while the swarm is more than
-    one step ahead failed too; after ``HOLDERS_GONE_AFTER_SECONDS`` of those (every peer holding the swarm's
+    one step ahead failed too; after ``holders_gone_after`` seconds of those (every peer holding the swarm's
     state crashed while an auxiliary peer announces its step), the peer goes on at the swarm's step from the newest
-    state served. The swarm's step is the highest of hivemind's progress records and ``announced_step()`` (what
-    live auxiliary peers announce: hivemind's records come from peers with samples only, so without it the step is
-    forgotten a minute after the last trainer crashed, and a newcomer would go on from an older step than the one
-    the swarm's history reached). A stop request ends the waiting. Installed as an instance attribute, so
-    ``Optimizer.step`` calls it too.
+    state served. That wait is the lifetime of a progress record (``collaboration.progress_expiration``): crashed
+    trainers' records keep the swarm's step in the DHT as long. The swarm's step is the highest of hivemind's
+    progress records and ``announced_step()`` (what live auxiliary peers, which follow the step without holding its
+    state, announce: hivemind's records come from peers with samples only, so without it the step is forgotten
+    once the last trainer's record expired, and a newcomer would go on from an older step than the one the swarm's
+    history reached; ``common.dht.announce_swarm_step``). A stop request ends the waiting. Installed as an
+    instance attribute, so ``Optimizer.step`` calls it too.
     """
 
     def load_state_from_peers(**kwargs) -> None:
-        _load_state_within_deadline(optimizer, deadline, stop_requested, kwargs, announced_step)
+        _load_state_within_deadline(optimizer, deadline, stop_requested, kwargs, announced_step, holders_gone_after)
 
     optimizer.load_state_from_peers = load_state_from_peers
 
@@ -329,6 +327,7 @@ def _load_state_within_deadline(
     stop_requested: Callable[[], bool],
     kwargs: dict,
     announced_step: Callable[[], int],
+    holders_gone_after: float,
 ) -> None:
     # tag along with a gradient round already under way: cancelling it would restart everyone's matchmaking
     if optimizer.scheduled_grads is not None and not optimizer.scheduled_grads.done():
@@ -337,7 +336,7 @@ def _load_state_within_deadline(
     optimizer.state_averager.step(wait_for_delayed_updates=True)
 
     with optimizer.tracker.pause_updates():
-        swarm_epoch = _download_state(optimizer, deadline, stop_requested, kwargs, announced_step)
+        swarm_epoch = _download_state(optimizer, deadline, stop_requested, kwargs, announced_step, holders_gone_after)
         if swarm_epoch - 1 <= optimizer.local_epoch < swarm_epoch:
             logger.info(f"catching up with the swarm's global step {swarm_epoch}")
             optimizer.state_averager.local_epoch = swarm_epoch
@@ -356,6 +355,7 @@ def _download_state(
     stop_requested: Callable[[], bool],
     kwargs: dict,
     announced_step: Callable[[], int] = lambda: -1,
+    holders_gone_after: float = 60.0,
 ) -> int:
     """Attempts until one succeeds; each gets at most ``load_state_timeout`` and never runs past ``deadline``.
     Returns the swarm's step the last attempt was judged against."""
@@ -381,10 +381,10 @@ def _download_state(
                 return swarm_epoch
             if behind_since is None or optimizer.local_epoch > epoch_before:
                 behind_since = time.monotonic()  # the wait for the swarm's state runs from the newest state served
-            elif time.monotonic() - behind_since >= HOLDERS_GONE_AFTER_SECONDS:
+            elif time.monotonic() - behind_since >= holders_gone_after:
                 logger.warning(
                     f"no peer has served the swarm's state of global step {swarm_epoch} for "
-                    f"{HOLDERS_GONE_AFTER_SECONDS:.0f} s: the peers that held it left; continuing at global step "
+                    f"{holders_gone_after:.0f} s: the peers that held it left; continuing at global step "
                     f"{swarm_epoch} from the newest state served (global step {optimizer.local_epoch})"
                 )
                 optimizer.state_averager.local_epoch = swarm_epoch

@@ -38,7 +38,7 @@ def test_fp16_sync_swarm_with_an_overflow_equals_single_process_and_every_peer_s
     # ~1e-7 apart; cast to float16 some of them round the other way, and LAMB, which normalises every gradient
     # element, turns such fp16-level differences into weight differences up to lr (measured in one process, fp16,
     # the same micro-batches in reverse order: 1.2e-7 after one update, 2.5e-5 after two).
-    steps, target = 2, 512
+    steps, target = 2, 256
     overrides = [
         *tiny_overrides,
         *FP16_ON_CPU,
@@ -98,7 +98,7 @@ SCHEDULER_ORDER_WARNINGS = ("has been overridden after learning rate scheduler",
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ddp_killed_mid_run_resumes_from_its_newest_checkpoint(tmp_path, tiny_ddp_overrides):
-    steps = 16
+    steps = 10
     overrides = [
         *tiny_ddp_overrides,
         *FP16_ON_CPU,

@@ -17,7 +17,6 @@ import pytest
 
 from common.dht import announce_swarm_step, read_announced_swarm_step, unrouted_addresses_problem
 from common.errors import PeerError
-from common.hivemind_patches import policies
 from common.hivemind_patches.policies import _download_state
 from tests.helpers import PYTHON, ROOT, assert_no_processes_left, run_script
 
@@ -109,15 +108,16 @@ def test_a_newer_state_still_behind_the_swarm_is_downloaded_again():
     assert optimizer.state_averager.calls == 2 and optimizer.local_epoch == 9
 
 
-def test_the_step_an_auxiliary_peer_announces_outlives_the_trainers_records(monkeypatch):
+def test_the_step_an_auxiliary_peer_announces_outlives_the_trainers_records():
     """Every trainer crashed and their progress records expired: hivemind's tracker knows only this peer's own
     step, while an auxiliary peer still announces step 7. The checkpoint of step 5 is behind it; once nothing newer
     was served for the holders-gone wait the peer goes on at step 7 with one WARNING line."""
-    monkeypatch.setattr(policies, "HOLDERS_GONE_AFTER_SECONDS", 1.0)
     optimizer = fake_optimizer([5], swarm_epoch=5, default=None)  # the checkpoint, then nothing newer
     records, handler = capture("common.hivemind_patches.policies")
     try:
-        swarm = _download_state(optimizer, deadline=30, stop_requested=never, kwargs={}, announced_step=lambda: 7)
+        swarm = _download_state(
+            optimizer, deadline=30, stop_requested=never, kwargs={}, announced_step=lambda: 7, holders_gone_after=1.0
+        )
     finally:
         logging.getLogger("common.hivemind_patches.policies").removeHandler(handler)
     assert swarm == 7 and optimizer.state_averager.local_epoch == 7

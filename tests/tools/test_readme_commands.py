@@ -13,8 +13,7 @@ from typing import List
 
 import pytest
 
-from common.config import load_config
-from tests.helpers import ROOT, TINY_ALBERT, read_jsonl
+from tests.helpers import ROOT, read_jsonl
 
 FRESH_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
 NOISE = ("Traceback", "[ERROR]", " ERROR ", "ModuleNotFoundError")
@@ -95,16 +94,16 @@ def test_the_collaboration_block_runs_verbatim(tmp_path):
         assert addresses.exists(), (tmp_path / "monitor.log").read_text()[-3000:]
         processes["trainer"] = fresh_shell(block[1], clone, tmp_path / "trainer.log")
         processes["aux"] = fresh_shell(block[2], clone, tmp_path / "aux.log")
-        # The block starts one trainer of the tiny config's three: it waits out the start barrier by design, after
-        # building its examples if no earlier test did; the global step is awaited from the barrier on.
+        # The block's one trainer expects no other (collaboration.expected_peers=1): it passes the start barrier as
+        # soon as it sees itself, after building its examples if no earlier test did
         trainer_log = tmp_path / "trainer.log"
-        barrier = load_config(TINY_ALBERT).collaboration.start_barrier_timeout
         wait_while_running(
             processes,
             lambda: re.search("start barrier (passed|timed out)", trainer_log.read_text(errors="replace")),
-            barrier + 300,
+            300,
             trainer_log,
         )
+        assert "start barrier passed: 1 trainers visible" in trainer_log.read_text(errors="replace")
         history = clone / "outputs/albert_tiny/history.jsonl"
         wait_while_running(processes, lambda: bool(read_jsonl(history)), 240, trainer_log)
     finally:
