@@ -29,6 +29,7 @@ def test_a_donor_serves_at_most_the_limit_and_turns_the_rest_away_at_once():
     limit_concurrent_state_uploads(patcher, max_uploads=1)
     try:
         donor = object.__new__(DecentralizedAverager)
+        donor._parent_pid = None  # not an averager this process started: its __del__ must not try to shut it down
         hints = get_type_hints(DecentralizedAverager.rpc_download_state)  # what hivemind registers the handler by
         assert "AsyncIterator" in str(hints["return"]) and "DownloadRequest" in str(hints["_request"])
 
