@@ -107,16 +107,19 @@ def test_failure_inside_removes_namespaces_and_kills_processes(no_leaked_namespa
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_rate_limited_link_measures_within_15_percent_of_its_limit(tmp_path, no_leaked_namespaces):
+    # The probe counts the link's time, so a sender starved of CPU for longer than the bytes queued in p2pd and the
+    # sockets take to drain leaves the link idle: at 40 Mbit/s over 2 s, a 2-core machine running two other
+    # swarm tests measured 21.8. At 8 Mbit/s the same buffers cover 5 times as long a stall, over 4 s
     result = subprocess.run(
         [
             sys.executable,
             str(ROOT / "scripts" / "experiments" / "measure_link.py"),
             "--upload-mbit",
-            "40",
+            "8",
             "--download-mbit",
-            "20",
+            "4",
             "--seconds",
-            "2",
+            "4",
             "--json",
             str(tmp_path / "link.json"),
         ],
@@ -127,7 +130,7 @@ def test_rate_limited_link_measures_within_15_percent_of_its_limit(tmp_path, no_
     )
     assert result.returncode == 0, result.stderr[-2000:]
     measured = json.loads((tmp_path / "link.json").read_text())
-    assert measured["upload_mbit"] == pytest.approx(40, rel=0.15)
-    assert measured["download_mbit"] == pytest.approx(20, rel=0.15)
-    assert "declared up 40.0 / down 20.0 Mbit/s; measured" in result.stderr
+    assert measured["upload_mbit"] == pytest.approx(8, rel=0.15)
+    assert measured["download_mbit"] == pytest.approx(4, rel=0.15)
+    assert "declared up 8.0 / down 4.0 Mbit/s; measured" in result.stderr
     assert not own_processes("measure_link.py --serve"), "the probe server outlived the measurement"
