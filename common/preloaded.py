@@ -12,8 +12,11 @@ launcher refuses more than one): torch's thread pools, hivemind's DHT and the p2
 What a fork would share that separate imports do not, the semaphores modules create at import, each peer makes
 anew (``import_time_semaphores``).
 
-Protocol (one JSON object per line): the launcher writes ``{"argv", "cwd", "env", "log"}`` to the preloaded
-process's stdin; it answers ``{"started": pid}`` on stdout, and ``{"exited": pid, "returncode": code}`` (a
+A peer on an emulated host (``ip netns exec NAME python ...``) is forked too: it enters the network namespace
+``NAME`` itself (``setns``) before its script runs, so its sockets and its p2p daemon live on that host.
+
+Protocol (one JSON object per line): the launcher writes ``{"argv", "cwd", "env", "log", "netns"}`` to the
+preloaded process's stdin; it answers ``{"started": pid}`` on stdout, and ``{"exited": pid, "returncode": code}`` (a
 negative code for a signal, as ``subprocess``) when that peer ends. It reaps its peers, so their CPU time is
 counted to it and, once it exits, to the launcher. A forked peer sets its process title to its own command line
 (``python scripts/train.py --config ... --name ...``), so ``ps``, ``pgrep -af <folder>`` and psutil see it as
@@ -130,9 +133,18 @@ class PreloadedLauncher:
     def alive(self) -> bool:
         return not self._ended and self.server.poll() is None
 
-    def start(self, argv: List[str], cwd: Path, environment: Dict[str, str], log_path: Path) -> PreloadedProcess:
-        """Fork a peer running ``argv`` (``[python, script, *arguments]``, as for ``subprocess.Popen``)."""
+    def start(
+        self,
+        argv: List[str],
+        cwd: Path,
+        environment: Dict[str, str],
+        log_path: Path,
+        network_namespace: Optional[str] = None,
+    ) -> PreloadedProcess:
+        """Fork a peer running ``argv`` (``[python, script, *arguments]``, as for ``subprocess.Popen``), in the
+        named network namespace (``ip netns``) if one is given."""
         request = {"argv": list(argv), "cwd": str(cwd), "env": environment, "log": str(log_path)}
+        request["netns"] = network_namespace
         with self._request_lock:
             self._pending_args.put(list(argv))
             self.server.stdin.write(json.dumps(request).encode() + b"\n")
@@ -233,6 +245,24 @@ def _reply(message: dict) -> None:
 Semaphores = Sequence[Tuple[object, str]]
 
 
+CLONE_NEWNET = 0x40000000  # from <sched.h>: setns joins the descriptor's network namespace
+
+
+def _enter_network_namespace(name: str) -> None:
+    """Move this (single-threaded) process into ``ip netns``'s namespace ``name``, as ``ip netns exec`` does for
+    the command it runs; what it starts after (the p2p daemon) is born there. Needs CAP_SYS_ADMIN, as ``ip``."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    descriptor = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(descriptor, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot enter network namespace {name}: {os.strerror(error)}")
+    finally:
+        os.close(descriptor)
+
+
 def _run_peer(request: dict, server_pid: int, private_fds: Sequence[int], titled_fd: int, semaphores: Semaphores):
     """In the forked child: become the peer ``python <argv>`` would have been, then run its script. Never returns:
     the script's SystemExit (or the one raised here) unwinds to the interpreter, which exits as a script's does."""
@@ -255,6 +285,8 @@ def _run_peer(request: dict, server_pid: int, private_fds: Sequence[int], titled
     os.close(null)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    if request.get("netns"):  # an error unwinds to the interpreter: exit code 1, the traceback in the peer's log
+        _enter_network_namespace(request["netns"])
     _renew_semaphores(semaphores)
     os.chdir(request["cwd"])
     os.environ.clear()

@@ -138,8 +138,8 @@ class LocalSwarm:
         self.environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(environment or {})}
         self.peers: Dict[str, PeerProcess] = {}
         self.initial_peers: List[str] = []
-        # peers on this machine's own network are forked from one process that imported torch and hivemind once
-        # (common/preloaded.py); a command prefix (a network namespace) needs a process of its own
+        # peers are forked from one process that imported torch and hivemind once (common/preloaded.py), those
+        # on an emulated host too (they enter its network namespace); another command prefix needs an interpreter
         self.preload = preload
         self._launcher: Optional[PreloadedLauncher] = None
 
@@ -168,8 +168,9 @@ class LocalSwarm:
             raise ValueError(f"peer {name} is already running")
         output_dir = self.output_dir / name
         output_dir.mkdir(parents=True, exist_ok=True)
+        prefix = self.command_prefix(name) if self.command_prefix else []
         command = [
-            *(self.command_prefix(name) if self.command_prefix else []),
+            *prefix,
             sys.executable,
             str(ROOT / ROLE_SCRIPTS[role]),
             "--config",
@@ -189,9 +190,12 @@ class LocalSwarm:
             *extra_overrides,
         ]
         process = None
-        if self.command_prefix is None and self.preload:
+        namespace = prefix[3] if len(prefix) == 4 and prefix[:3] == ["ip", "netns", "exec"] else None
+        if (not prefix or namespace) and self.preload:
             try:
-                process = self._preloaded().start(command, ROOT, self.environment, output_dir / "peer.log")
+                process = self._preloaded().start(
+                    command[len(prefix) :], ROOT, self.environment, output_dir / "peer.log", namespace
+                )
             except RuntimeError as error:
                 logger.warning(f"{error}; starting each peer in an interpreter of its own")
                 self.preload = False

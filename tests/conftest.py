@@ -115,8 +115,9 @@ def _timeout_seconds(item) -> float:
 def pytest_collection_modifyitems(config, items):
     """Files with the longest multi-process tests first (their `timeout` markers added up stand in for their cost):
     the suite runs files on parallel workers (pytest-xdist, `--dist loadfile`), and a long file started last would
-    keep one worker busy after the others ran out of work. The order within a file is kept; one process (no xdist
-    worker) keeps the files' own order."""
+    keep one worker busy after the others ran out of work (xdist keeps this order only with --no-loadscope-reorder,
+    in pyproject.toml's addopts). The order within a file is kept; one process (no xdist worker) keeps the files'
+    own order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     cost: dict = {}

@@ -19,7 +19,7 @@ def test_every_step_is_in_the_history_after_kills_and_freezes_of_every_role(tmp_
     out = tmp_path / "chaos.json"
     result = run_script(
         "scripts/experiments/chaos.py",
-        *("--minutes", "3", "--fault-every", "20", "--warmup", "45", "--faults", *FAULTS),
+        *("--minutes", "2.5", "--fault-every", "20", "--warmup", "45", "--faults", *FAULTS),
         *("--run-dir", str(tmp_path / "run"), "--out", str(out)),
         timeout=1100,
     )

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from common.preloaded import COMMON_MODULES, PreloadedLauncher
-from tests.helpers import ROOT
+from tests.helpers import ROOT, needs_network_namespaces
 
 SCRIPT = textwrap.dedent(
     """
@@ -29,6 +29,9 @@ SCRIPT = textwrap.dedent(
         }, open(sys.argv[2], "w"))
         print("written to the log")
         sys.exit(3)
+    if sys.argv[1] == "namespace":
+        open(sys.argv[2], "w").write(os.readlink("/proc/self/ns/net"))
+        sys.exit(0)
     if sys.argv[1] == "sleep":
         time.sleep(60)
     raise ValueError("a script's own error")
@@ -136,3 +139,24 @@ def test_the_peers_modules_import_without_starting_a_thread(tmp_path):
         assert launcher.threads_after_imports == 1 and launcher.unrenewable_semaphores == []
     finally:
         launcher.close()
+
+
+@needs_network_namespaces
+def test_a_peer_for_an_emulated_host_runs_in_its_network_namespace(tmp_path, launcher):
+    script, seen = tmp_path / "peer.py", tmp_path / "namespace.txt"
+    script.write_text(SCRIPT)
+    name = f"dedloc-preload-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        argv = [sys.executable, str(script), "namespace", str(seen)]
+        process = launcher.start(argv, tmp_path, dict(os.environ), tmp_path / "peer.log", network_namespace=name)
+        assert process.wait(timeout=30) == 0, (tmp_path / "peer.log").read_text()
+        expected = subprocess.run(
+            ["ip", "netns", "exec", name, "readlink", "/proc/self/ns/net"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        assert seen.read_text() == expected != os.readlink("/proc/self/ns/net")
+        missing = launcher.start(argv, tmp_path, dict(os.environ), tmp_path / "missing.log", network_namespace="none")
+        assert missing.wait(timeout=30) == 1  # a namespace that does not exist: the peer fails, with its reason
+        assert "/run/netns/none" in (tmp_path / "missing.log").read_text()
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
