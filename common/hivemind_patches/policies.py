@@ -80,14 +80,19 @@ GROUPLESS_ROUND = "Averaging step failed: could not find a group"
 class _GrouplessRound(logging.Filter):
     """Rewrites the record described in :func:`log_groupless_rounds_as_warnings` as a one-line WARNING."""
 
+    MESSAGES = {
+        "_step": "averaging round ended without partners (no group formed in time)",
+        "_tag_along_with_zero_weight": "a round joined with zero weight to catch up ended without partners",
+    }
+
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         if (
-            record.funcName == "_step"
+            record.funcName in self.MESSAGES
             and type(error).__name__ == "AllreduceException"
             and str(error) == GROUPLESS_ROUND
         ):
-            record.msg, record.args = "averaging round ended without partners (no group formed in time)", ()
+            record.msg, record.args = self.MESSAGES[record.funcName], ()
             record.exc_info, record.exc_text = None, None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True
@@ -99,9 +104,12 @@ def log_groupless_rounds_as_warnings(patcher: Patcher) -> None:
 
     Why: nothing failed inside this peer (its partners did not come in time: routine for the last round when the
     swarm stops, or when peers leave); ``hivemind.Optimizer`` reports the outcome itself and the trainer warns when
-    a step used local gradients only. Any other averaging error keeps its level and traceback.
+    a step used local gradients only. The same holds for the round a peer that fell behind joins with zero weight
+    before it loads the swarm's state (``Optimizer._tag_along_with_zero_weight`` logs that one). Any other
+    averaging error keeps its level and traceback.
     """
     patcher.add_filter("hivemind.averaging.averager", _GrouplessRound())
+    patcher.add_filter("hivemind.optim.optimizer", _GrouplessRound())
 
 
 class _UnreachableStateSource(logging.Filter):

@@ -421,3 +421,21 @@ def test_a_round_without_partners_is_a_warning_and_other_averaging_errors_stay_e
     groupless, corrupt = records
     assert groupless.levelno == logging.WARNING and groupless.exc_info is None
     assert corrupt.levelno == logging.ERROR and corrupt.exc_info is not None
+
+    # a peer that fell behind joins the running round with zero weight before loading the state (hivemind's
+    # Optimizer logs that round's outcome itself): a chaos run's trainer logged this one with a traceback
+    optimizer_logger = logging.getLogger("hivemind.optim.optimizer")
+
+    def _tag_along_with_zero_weight(message: str) -> None:
+        try:
+            raise AllreduceException(message)
+        except AllreduceException as error:
+            optimizer_logger.exception(error)
+
+    with records_of(optimizer_logger) as records:
+        _tag_along_with_zero_weight(GROUPLESS_ROUND)
+        _tag_along_with_zero_weight("Averaging step failed: a peer sent corrupt data")
+    groupless, corrupt = records
+    assert groupless.levelno == logging.WARNING and groupless.exc_info is None
+    assert "zero weight" in groupless.getMessage()
+    assert corrupt.levelno == logging.ERROR and corrupt.exc_info is not None
