@@ -143,8 +143,13 @@ class PreloadedLauncher:
     ) -> PreloadedProcess:
         """Fork a peer running ``argv`` (``[python, script, *arguments]``, as for ``subprocess.Popen``), in the
         named network namespace (``ip netns``) if one is given."""
-        request = {"argv": list(argv), "cwd": str(cwd), "env": environment, "log": str(log_path)}
-        request["netns"] = network_namespace
+        request = {
+            "argv": list(argv),
+            "cwd": str(cwd),
+            "env": environment,
+            "log": str(log_path),
+            "netns": network_namespace,
+        }
         with self._request_lock:
             self._pending_args.put(list(argv))
             self.server.stdin.write(json.dumps(request).encode() + b"\n")

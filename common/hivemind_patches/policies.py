@@ -300,7 +300,8 @@ def bound_state_downloads(
     deadline: float,
     stop_requested: Callable[[], bool] = lambda: False,
     announced_step: Callable[[], int] = lambda: -1,
-    holders_gone_after: float = 60.0,
+    *,
+    holders_gone_after: float,
 ) -> None:
     """Make ``optimizer.load_state_from_peers`` retry with backoff and give up after
     ``deadline`` seconds with one line (``PeerError``).
